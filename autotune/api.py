@@ -1,11 +1,15 @@
 """The Python API: :func:`tune` runs a whole search and returns a :class:`~autotune.results.TuneResult`.
 
-The CLI's ``autotune run`` is a thin layer over this function. Everything the user passes is
-validated before the study is created or touched, so bad input never leaves a broken study.
+``autotune run`` and :func:`tune` take the same :class:`RunOptions` and go through the same two
+functions: :func:`plan_run` validates every input before any study is created or touched (so bad
+input never leaves a broken study), and :func:`run_plan` opens the study, runs the search, writes
+the report and returns the result. The CLI adds only argument parsing and display.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import hashlib
 import json
 import shlex
@@ -15,19 +19,93 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autotune import __version__
-from autotune.device import DeviceInfo, detect_device
-from autotune.driver import Evaluator, SearchOutcome, SearchSettings, TrialRecord, make_sampler, run_search
+import optuna
+
+from autotune import __version__, studies
 from autotune.errors import DeviceError, UsageError
-from autotune.params import PARAM_NAMES, TrialParams, baseline_params
-from autotune.results import STUDY_ATTR, TuneResult, load_result
+from autotune.params import TrialParams
+from autotune.probe.device import detect_device
+from autotune.records import DeviceInfo
+from autotune.results import TuneResult, load_result
+from autotune.search.loop import Evaluator, SearchOutcome, SearchSettings, TrialRecord, run_search
+from autotune.search.strategies.registry import DEFAULT_STRATEGY, make_strategy
 from autotune.space import SearchSpace, load_space
+from autotune.studies import DEFAULT_STORAGE
 from autotune.units import format_bytes, parse_bytes, parse_duration_s
 
 DEFAULT_MODEL = "tiny-gptneox"
-DEFAULT_STORAGE = "sqlite:///autotune.db"
 DEFAULT_SEQ_LEN = 512
 CEILING_SAFETY_FRACTION = 0.95  # leave 5% of the device below the ceiling for the user's real run
+# A resumed study must agree on these (the memory ceiling may change; the device is checked by name).
+_MUST_MATCH = ("model_config_sha1", "seq_len", "space", "effective_batch_size", "dataset")
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """What a user chooses for one run: ``autotune run``'s flags and :func:`tune`'s keywords, one list.
+
+    Attributes:
+        model: a built-in name (``autotune models``), a Hugging Face hub id, or a local directory
+            with a ``config.json``.
+        budget: wall-clock budget of the whole run, probes included (``"30m"``, ``"90s"``, ``"2h"``
+            or seconds); None: no time limit (give ``n_trials``).
+        n_trials: at most this many exploring probes in this run (near-tie re-measures, at most 3,
+            come on top).
+        space: a built-in space name (``default``, ``quick``), a YAML path, or a SearchSpace.
+        memory_ceiling: peak device memory allowed (``"40GiB"``, bytes, or a fraction like ``0.8``);
+            default: 95% of the device's memory.
+        effective_batch_size: keep ``per_device_train_batch_size * gradient_accumulation_steps``
+            equal to this, so tuning never changes the optimisation.
+        seq_len: tokens per sample.
+        device: ``auto``, ``cuda``, ``cuda:N`` or ``cpu``.
+        storage: an Optuna storage URL (default: ``sqlite:///autotune.db``).
+        study: the study name; the same name resumes the study (default: from model, seq-len, device).
+        seed: sampler and data seed.
+        trial_timeout: deadline of one probe, compilation included.
+        warmup_steps: optimizer steps run before timing starts.
+        measure_steps: the fewest optimizer steps timed; probes keep measuring until the mean
+            step time is stable (95% CI within +-2%) or a cap is reached.
+        dataset: a text file (``.jsonl``, ``.csv``, ``.parquet``, ``.txt``) to train the probes on,
+            tokenised and packed in the DataLoader workers; None: synthetic tokens.
+        text_column: the dataset's text column (not used for ``.txt``).
+        tokenizer: a tokenizer directory or hub id for ``dataset`` (default: the model's).
+        strategy: how to search: ``frontier`` (memory model, batch frontier, compile last),
+            ``tpe`` (plain Optuna TPE) or ``random``.
+    """
+
+    model: str = DEFAULT_MODEL
+    budget: str | float | None = "30m"
+    n_trials: int | None = None
+    space: str | SearchSpace = "default"
+    memory_ceiling: str | int | None = None
+    effective_batch_size: int | None = None
+    seq_len: int = DEFAULT_SEQ_LEN
+    device: str | DeviceInfo = "auto"
+    storage: str | None = None
+    study: str | None = None
+    seed: int = 0
+    trial_timeout: str | float = "15m"
+    warmup_steps: int = 3
+    measure_steps: int = 8
+    dataset: str | None = None
+    text_column: str = "text"
+    tokenizer: str | None = None
+    strategy: str = DEFAULT_STRATEGY
+
+    @classmethod
+    def of(cls, **values: Any) -> RunOptions:
+        """Options from keywords; an unknown keyword is a :class:`UsageError` naming the close match.
+
+        Raises:
+            UsageError: for a keyword that is not an option.
+        """
+        names = [f.name for f in dataclasses.fields(cls)]
+        for key in values:
+            if key not in names:
+                close = difflib.get_close_matches(key, names, n=1)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                raise UsageError(f"unknown option {key!r}: {hint}use one of {', '.join(names)}")
+        return cls(**values)
 
 
 @dataclass(frozen=True)
@@ -46,7 +124,7 @@ class RunPlan:
     warmup_steps: int
     measure_steps: int
     dataset: Any = None  # autotune.data.DatasetSpec, or None for synthetic tokens
-    strategy: str = "frontier"
+    strategy: str = DEFAULT_STRATEGY
 
     def study_attrs(self, command: str | None) -> dict[str, Any]:
         from autotune.models import count_parameters
@@ -103,81 +181,56 @@ def model_attention_support(model: Any) -> tuple[bool, bool]:
     return bool(getattr(cls, "_supports_sdpa", True)), bool(getattr(cls, "_supports_flash_attn", True))
 
 
-def plan_run(
-    model: str = DEFAULT_MODEL,
-    *,
-    budget: str | float | None = "30m",
-    n_trials: int | None = None,
-    space: str | SearchSpace = "default",
-    memory_ceiling: str | int | None = None,
-    effective_batch_size: int | None = None,
-    seq_len: int = DEFAULT_SEQ_LEN,
-    device: str | DeviceInfo = "auto",
-    storage: str | None = None,
-    study: str | None = None,
-    seed: int = 0,
-    trial_timeout: str | float = "15m",
-    warmup_steps: int = 3,
-    measure_steps: int = 8,
-    dataset: str | None = None,
-    text_column: str = "text",
-    tokenizer: str | None = None,
-    strategy: str = "frontier",
-) -> RunPlan:
+def plan_run(options: RunOptions) -> RunPlan:
     """Validate and resolve every input of a run (no study is created or changed).
 
     Raises:
         UsageError: (and subclasses) for any bad input, with a one-line message naming the fix.
     """
     from autotune.models import resolve_model
-    from autotune.strategies import make_strategy
 
-    make_strategy(strategy)  # an unknown name fails here, before anything is touched
-    budget_s = parse_duration_s(budget) if budget is not None else None
-    if budget_s is None and n_trials is None:
+    make_strategy(options.strategy)  # an unknown name fails here, before anything is touched
+    budget_s = parse_duration_s(options.budget) if options.budget is not None else None
+    if budget_s is None and options.n_trials is None:
         raise UsageError("give a --budget (e.g. 30m) or --n-trials, or the search never ends")
-    if n_trials is not None and n_trials <= 0:
-        raise UsageError(f"--n-trials must be positive, got {n_trials}")
-    if warmup_steps < 1 or measure_steps < 1:
+    if options.n_trials is not None and options.n_trials <= 0:
+        raise UsageError(f"--n-trials must be positive, got {options.n_trials}")
+    if options.warmup_steps < 1 or options.measure_steps < 1:
         raise UsageError("--warmup-steps and --measure-steps must be at least 1")
-    trial_timeout_s = parse_duration_s(trial_timeout)
-    model_spec = resolve_model(model)
+    trial_timeout_s = parse_duration_s(options.trial_timeout)
+    model_spec = resolve_model(options.model)
+    seq_len = options.seq_len
     if seq_len <= 0 or seq_len > model_spec.max_positions:
         raise UsageError(
             f"--seq-len {seq_len} is outside 1..{model_spec.max_positions}, the limit of {model_spec.name}: "
             f"use --seq-len {min(DEFAULT_SEQ_LEN, model_spec.max_positions)} or less"
         )
-    device_info = device if isinstance(device, DeviceInfo) else detect_device(device)
-    if memory_ceiling is None:
+    device_info = options.device if isinstance(options.device, DeviceInfo) else detect_device(options.device)
+    if options.memory_ceiling is None:
         ceiling = int(CEILING_SAFETY_FRACTION * device_info.total_memory_bytes)
     else:
-        ceiling = parse_bytes(memory_ceiling, total_bytes=device_info.total_memory_bytes)
+        ceiling = parse_bytes(options.memory_ceiling, total_bytes=device_info.total_memory_bytes)
         if ceiling > device_info.total_memory_bytes:
             raise DeviceError(
                 f"--memory-ceiling {format_bytes(ceiling)} is above the {format_bytes(device_info.total_memory_bytes)} "
                 f"of {device_info.name}: use at most {format_bytes(device_info.total_memory_bytes)} or a fraction like 0.9"
             )
-    loaded = space if isinstance(space, SearchSpace) else load_space(space)
+    loaded = options.space if isinstance(options.space, SearchSpace) else load_space(options.space)
     supports_sdpa, supports_flash = model_attention_support(model_spec)
     restricted = loaded.restrict(
         device_info,
-        effective_batch_size=effective_batch_size,
+        effective_batch_size=options.effective_batch_size,
         model_supports_sdpa=supports_sdpa,
         model_supports_flash=supports_flash,
     )
-    baseline = baseline_params(effective_batch_size, tuple(restricted.choices["per_device_train_batch_size"]))
+    baseline = restricted.baseline()
     if not supports_sdpa:
-        baseline = TrialParams.from_dict({**baseline.to_dict(), "attn_implementation": "eager"})
+        baseline = baseline.replace(attn_implementation="eager")
     # The baseline is always a point of the space, so Optuna can enqueue it. Its values run
     # everywhere (fp32, no compile, fused AdamW on CPU and CUDA, sdpa only where supported).
-    for name in PARAM_NAMES:
-        value = getattr(baseline, name)
-        if name == "gradient_accumulation_steps" and effective_batch_size:
-            continue
-        if value not in restricted.choices[name]:
-            restricted = restricted.with_values(name, (value, *restricted.choices[name]))
-    dataset_spec = _dataset_spec(dataset, text_column, tokenizer, model_spec)
-    study_name = study or default_study_name(model, seq_len, device_info, effective_batch_size)
+    restricted = restricted.including(baseline)
+    dataset_spec = _dataset_spec(options.dataset, options.text_column, options.tokenizer, model_spec)
+    study_name = options.study or default_study_name(options.model, seq_len, device_info, options.effective_batch_size)
     return RunPlan(
         model=model_spec,
         device=device_info,
@@ -185,15 +238,16 @@ def plan_run(
         seq_len=seq_len,
         memory_ceiling_bytes=ceiling,
         baseline=baseline,
-        storage=storage or DEFAULT_STORAGE,
+        storage=options.storage or DEFAULT_STORAGE,
         study_name=study_name,
         settings=SearchSettings(
-            memory_ceiling_bytes=ceiling, budget_s=budget_s, n_trials=n_trials, trial_timeout_s=trial_timeout_s, seed=seed
+            memory_ceiling_bytes=ceiling, budget_s=budget_s, n_trials=options.n_trials, trial_timeout_s=trial_timeout_s,
+            seed=options.seed,
         ),
-        warmup_steps=warmup_steps,
-        measure_steps=measure_steps,
+        warmup_steps=options.warmup_steps,
+        measure_steps=options.measure_steps,
         dataset=dataset_spec,
-        strategy=strategy,
+        strategy=options.strategy,
     )
 
 
@@ -223,161 +277,25 @@ def _dataset_spec(dataset: str | None, text_column: str, tokenizer: str | None, 
     return spec
 
 
-def open_study(plan: RunPlan, command: str | None = None) -> Any:
-    """Create the study, or resume it after checking it was made for the same model, device and space.
+def open_study(plan: RunPlan, command: str | None = None) -> optuna.Study:
+    """Create the plan's study, or resume it after checking it was made for the same model, device and space.
 
     Raises:
         UsageError: if the storage URL is unusable or the existing study was made for another setup.
     """
-    import optuna
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    from autotune.studies import storage_errors
-
-    with storage_errors(plan.storage):
-        study = optuna.create_study(
-            study_name=plan.study_name,
-            storage=plan.storage,
-            direction="maximize",
-            sampler=make_sampler(plan.settings.seed),
-            load_if_exists=True,
-        )
-    attrs = plan.study_attrs(command)
-    existing = study.user_attrs.get(STUDY_ATTR)
-    if existing is None:
-        study.set_user_attr(STUDY_ATTR, attrs)
-        _record_run(study, plan)
-        return study
-    for key in ("model_config_sha1", "seq_len", "space", "effective_batch_size", "dataset"):
-        if existing.get(key) != attrs[key]:
-            raise UsageError(
-                f"study {plan.study_name!r} was made with a different {key.replace('_sha1', '')}: "
-                "pass --study NEW_NAME to start a new one, or repeat the original options to resume it"
-            )
-    if existing.get("device", {}).get("name") != attrs["device"]["name"]:
-        raise UsageError(
-            f"study {plan.study_name!r} was measured on {existing['device']['name']}, not {attrs['device']['name']}: "
-            "pass --study NEW_NAME"
-        )
-    if existing.get("memory_ceiling_bytes") != plan.memory_ceiling_bytes:
-        study.set_user_attr(STUDY_ATTR, {**existing, "memory_ceiling_bytes": plan.memory_ceiling_bytes})
-    _record_run(study, plan)
-    return study
-
-
-def _record_run(study: Any, plan: RunPlan) -> None:
-    """Append this invocation to the study's run log; ``budget_s`` is the total over all runs."""
-    import datetime
-
-    attrs = dict(study.user_attrs[STUDY_ATTR])
-    runs = [*attrs.get("runs", []), {
-        "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "budget_s": plan.settings.budget_s,
-        "n_trials": plan.settings.n_trials,
-        "stopped_because": None,
-    }]
-    budgets = [run["budget_s"] for run in runs if run["budget_s"]]
-    study.set_user_attr(STUDY_ATTR, {**attrs, "runs": runs, "budget_s": sum(budgets) if budgets else None})
-
-
-def record_stop(study: Any, stopped_because: str) -> None:
-    """Note why the latest run stopped (for reports regenerated later)."""
-    attrs = dict(study.user_attrs.get(STUDY_ATTR, {}))
-    runs = attrs.get("runs") or []
-    if runs:
-        runs[-1] = {**runs[-1], "stopped_because": stopped_because}
-        study.set_user_attr(STUDY_ATTR, {**attrs, "runs": runs})
-
-
-def tune(
-    model: str = DEFAULT_MODEL,
-    *,
-    budget: str | float | None = "30m",
-    n_trials: int | None = None,
-    space: str | SearchSpace = "default",
-    memory_ceiling: str | int | None = None,
-    effective_batch_size: int | None = None,
-    seq_len: int = DEFAULT_SEQ_LEN,
-    device: str | DeviceInfo = "auto",
-    storage: str | None = None,
-    study: str | None = None,
-    seed: int = 0,
-    trial_timeout: str | float = "15m",
-    warmup_steps: int = 3,
-    measure_steps: int = 8,
-    dataset: str | None = None,
-    text_column: str = "text",
-    tokenizer: str | None = None,
-    strategy: str = "frontier",
-    evaluator: Evaluator | None = None,
-    on_trial: Callable[[TrialRecord], None] | None = None,
-    report_dir: str | Path | None = "reports",
-    command: str | None = None,
-) -> TuneResult:
-    """Find the fastest training configuration of ``model`` that fits under the memory ceiling.
-
-    Args:
-        model: a built-in name (``autotune models``), a Hugging Face hub id, or a local directory
-            with a ``config.json``.
-        budget: wall-clock budget of the whole run, probes included (``"30m"``, ``"90s"``, ``"2h"``
-            or seconds).
-        n_trials: at most this many probes in this call.
-        space: a built-in space name (``default``, ``quick``), a YAML path, or a SearchSpace.
-        memory_ceiling: peak device memory allowed (``"40GiB"``, bytes, or a fraction like ``0.8``);
-            default: 95% of the device's memory.
-        effective_batch_size: keep ``per_device_train_batch_size * gradient_accumulation_steps``
-            equal to this, so tuning never changes the optimisation.
-        seq_len: tokens per sample.
-        device: ``auto``, ``cuda``, ``cuda:N`` or ``cpu``.
-        storage: an Optuna storage URL (default: ``sqlite:///autotune.db``).
-        study: the study name; the same name resumes the study.
-        seed: sampler and data seed.
-        trial_timeout: deadline of one probe, compilation included.
-        warmup_steps: optimizer steps run before timing starts.
-        measure_steps: the fewest optimizer steps timed; probes keep measuring until the mean
-            step time is stable (95% CI within +-2%) or a cap is reached.
-        dataset: a text file (``.jsonl``, ``.csv``, ``.parquet``, ``.txt``) to train the probes on,
-            tokenised and packed in the DataLoader workers; None: synthetic tokens.
-        text_column: the dataset's text column (not used for ``.txt``).
-        tokenizer: a tokenizer directory or hub id for ``dataset`` (default: the model's).
-        strategy: how to search: ``frontier`` (memory model, batch frontier, compile last),
-            ``tpe`` (plain Optuna TPE) or ``random``.
-        evaluator: replaces the real probes (tests, replays).
-        on_trial: called after each finished trial.
-        report_dir: where ``<study>.html`` is written (None: no report).
-        command: the command line to record in the study, for the report.
-
-    Returns:
-        The :class:`TuneResult`: ``best_training_arguments()``, ``best_params``, ``baseline``,
-        ``trials`` (a DataFrame), ``speedup``.
-
-    Raises:
-        UsageError: bad input, before anything is run or stored.
-    """
-    from autotune.evaluators import ProbeEvaluator
-
-    plan = plan_run(
-        model, budget=budget, n_trials=n_trials, space=space, memory_ceiling=memory_ceiling,
-        effective_batch_size=effective_batch_size, seq_len=seq_len, device=device, storage=storage,
-        study=study, seed=seed, trial_timeout=trial_timeout, warmup_steps=warmup_steps, measure_steps=measure_steps,
-        dataset=dataset, text_column=text_column, tokenizer=tokenizer,
-        strategy=strategy,
+    return studies.open_or_create(
+        plan.storage, plan.study_name, plan.study_attrs(command),
+        sampler=make_strategy(plan.strategy).sampler(plan.settings.seed), must_match=_MUST_MATCH,
+        budget_s=plan.settings.budget_s, n_trials=plan.settings.n_trials,
     )
-    if command is None:
-        command = "python -c 'autotune.tune(...)'" if "autotune" not in sys.argv[0] else shlex.join(["autotune", *sys.argv[1:]])
-    opened = open_study(plan, command)
-    outcome = execute(plan, opened, evaluator or plan_evaluator(plan, ProbeEvaluator), on_trial=on_trial)
-    result = load_result(plan.study_name, plan.storage, stopped_because=outcome.stopped_because)
-    if report_dir is not None:
-        from autotune.report import write_report
-
-        write_report(result, Path(report_dir) / f"{plan.study_name}.html")
-    return result
 
 
-def plan_evaluator(plan: RunPlan, cls: Any) -> Evaluator:
+def plan_evaluator(plan: RunPlan) -> Evaluator:
+    """Real probes for the plan: a fresh child process per trial, on the plan's device."""
+    from autotune.probe.evaluator import ProbeEvaluator
+
     device = "cpu" if not plan.device.is_cuda else f"cuda:{plan.device.index}"
-    return cls(
+    return ProbeEvaluator(
         model=plan.model.to_dict(),
         seq_len=plan.seq_len,
         device=device,
@@ -391,20 +309,119 @@ def plan_evaluator(plan: RunPlan, cls: Any) -> Evaluator:
 
 def execute(
     plan: RunPlan,
-    study: Any,
+    study: optuna.Study,
     evaluator: Evaluator,
     *,
     on_trial: Callable[[TrialRecord], None] | None = None,
     on_start: Callable[[int, TrialParams], None] | None = None,
 ) -> SearchOutcome:
     """Run the search loop for a planned, opened study, with the plan's strategy and a memory model of its model."""
-    from autotune.memory import MemoryModel, ModelDims
-    from autotune.strategies import make_strategy
+    from autotune.search.memory import MemoryModel, ModelDims
 
     memory = MemoryModel(ModelDims.from_spec(plan.model), plan.seq_len)
     outcome = run_search(
         study, plan.space, evaluator, plan.settings, baseline=plan.baseline, on_trial=on_trial, on_start=on_start,
         strategy=make_strategy(plan.strategy), memory=memory,
     )
-    record_stop(study, outcome.stopped_because)
+    studies.record_stop(study, outcome.stopped_because)
     return outcome
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    """What :func:`run_plan` did: the result, how the search went, and where the report is."""
+
+    result: TuneResult
+    search: SearchOutcome
+    report_path: Path | None
+
+
+def finished_trials(study: optuna.Study) -> int:
+    """Probes a resumed study already holds (repeats and re-measures not counted)."""
+    return sum(
+        1 for t in study.get_trials(deepcopy=False)
+        if t.state.is_finished() and not {studies.ATTR_DUPLICATE_OF, studies.ATTR_REMEASURE_OF} & set(t.user_attrs)
+    )
+
+
+def run_plan(
+    plan: RunPlan,
+    *,
+    evaluator: Evaluator | None = None,
+    on_open: Callable[[RunPlan, int], None] | None = None,
+    on_start: Callable[[int, TrialParams], None] | None = None,
+    on_trial: Callable[[TrialRecord], None] | None = None,
+    report_dir: str | Path | None = "reports",
+    command: str | None = None,
+) -> RunOutcome:
+    """Open the plan's study, run the search, write the report: the one path of ``autotune run`` and :func:`tune`.
+
+    Args:
+        plan: from :func:`plan_run`.
+        evaluator: replaces the real probes (tests, replays).
+        on_open: called once the study is open, with the plan and how many finished probes it resumes.
+        on_start: called before every probe with the trial number and its parameters.
+        on_trial: called after each finished trial.
+        report_dir: where ``<study>.html`` is written (None: no report).
+        command: the command line to record in the study, for the report.
+
+    Ctrl-C during the search stops it cleanly (the run's result and report are written and
+    :attr:`SearchOutcome.stopped_because` is ``"interrupted"``); Ctrl-C outside a probe writes the
+    report of what was measured and re-raises.
+    """
+    study = open_study(plan, command)
+    if on_open:
+        on_open(plan, finished_trials(study))
+    report_path = Path(report_dir) / f"{plan.study_name}.html" if report_dir is not None else None
+    try:
+        outcome = execute(plan, study, evaluator or plan_evaluator(plan), on_trial=on_trial, on_start=on_start)
+    except KeyboardInterrupt:
+        if report_path is not None:
+            _write_report(load_result(plan.study_name, plan.storage, stopped_because="interrupted"), report_path)
+        raise
+    result = load_result(plan.study_name, plan.storage, stopped_because=outcome.stopped_because)
+    if report_path is not None:
+        _write_report(result, report_path)
+    return RunOutcome(result=result, search=outcome, report_path=report_path)
+
+
+def _write_report(result: TuneResult, path: Path) -> None:
+    from autotune.report.html import write_report
+
+    write_report(result, path)
+
+
+def tune(
+    model: str = DEFAULT_MODEL,
+    *,
+    evaluator: Evaluator | None = None,
+    on_trial: Callable[[TrialRecord], None] | None = None,
+    report_dir: str | Path | None = "reports",
+    command: str | None = None,
+    **options: Any,
+) -> TuneResult:
+    """Find the fastest training configuration of ``model`` that fits under the memory ceiling.
+
+    Args:
+        model: a built-in name (``autotune models``), a Hugging Face hub id, or a local directory
+            with a ``config.json``.
+        evaluator: replaces the real probes (tests, replays).
+        on_trial: called after each finished trial.
+        report_dir: where ``<study>.html`` is written (None: no report).
+        command: the command line to record in the study, for the report.
+        **options: any field of :class:`RunOptions`: ``budget="30m"``, ``n_trials``, ``space``,
+            ``memory_ceiling``, ``effective_batch_size``, ``seq_len``, ``device``, ``storage``,
+            ``study``, ``seed``, ``trial_timeout``, ``warmup_steps``, ``measure_steps``,
+            ``dataset``, ``text_column``, ``tokenizer``, ``strategy`` (each documented there).
+
+    Returns:
+        The :class:`TuneResult`: ``best_training_arguments()``, ``best_params``, ``baseline``,
+        ``trials`` (a DataFrame), ``speedup``.
+
+    Raises:
+        UsageError: bad input, before anything is run or stored.
+    """
+    plan = plan_run(RunOptions.of(model=model, **options))
+    if command is None:
+        command = "python -c 'autotune.tune(...)'" if "autotune" not in sys.argv[0] else shlex.join(["autotune", *sys.argv[1:]])
+    return run_plan(plan, evaluator=evaluator, on_trial=on_trial, report_dir=report_dir, command=command).result

@@ -58,7 +58,8 @@ def _epilog(command: str) -> str:
 
 
 def _add_run(sub: argparse._SubParsersAction) -> None:
-    from autotune.api import DEFAULT_MODEL, DEFAULT_SEQ_LEN, DEFAULT_STORAGE
+    from autotune.api import DEFAULT_MODEL, DEFAULT_SEQ_LEN
+    from autotune.studies import DEFAULT_STORAGE
 
     p = sub.add_parser(
         "run",
@@ -69,7 +70,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"built-in name, hub id or local dir (default: {DEFAULT_MODEL})")
     p.add_argument("--budget", default="30m", help="wall time of the whole run: 90s, 30m, 2h (default: 30m)")
-    p.add_argument("--n-trials", type=int, default=None, help="at most this many probes")
+    p.add_argument("--n-trials", type=int, default=None, help="at most this many exploring probes (near-tie re-measures come on top)")
     p.add_argument("--space", default="default", help="built-in space name or YAML path (default: default)")
     p.add_argument("--memory-ceiling", default=None, help="e.g. 40GiB or 0.8 of the device (default: 95%% of it)")
     p.add_argument("--effective-batch-size", type=int, default=None, help="keep batch x accumulation = N")
@@ -91,7 +92,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_strategy_flag(p: argparse.ArgumentParser) -> None:
-    from autotune.strategies import DEFAULT_STRATEGY, STRATEGIES
+    from autotune.search.strategies.registry import DEFAULT_STRATEGY, STRATEGIES
 
     p.add_argument(
         "--strategy", default=DEFAULT_STRATEGY,
@@ -100,66 +101,42 @@ def _add_strategy_flag(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    import dataclasses
+
     from rich.console import Console
 
-    from autotune.api import execute, open_study, plan_evaluator, plan_run
-    from autotune.console import LiveProgress, print_summary
+    from autotune.api import RunOptions, plan_run, run_plan
+    from autotune.console import LiveProgress, print_header, print_summary
     from autotune.errors import NothingFits
-    from autotune.evaluators import ProbeEvaluator
-    from autotune.report import write_report
-    from autotune.results import load_result, nothing_fits_message
-    from autotune.units import format_bytes
+    from autotune.results import nothing_fits_message
 
     console = Console(highlight=False)
     if not console.is_terminal:  # logs and CI: wide enough for the ranked table
         console = Console(highlight=False, width=180)
-    plan = plan_run(
-        args.model, budget=args.budget, n_trials=args.n_trials, space=args.space, memory_ceiling=args.memory_ceiling,
-        effective_batch_size=args.effective_batch_size, seq_len=args.seq_len, device=args.device,
-        storage=args.storage, study=args.study, seed=args.seed, trial_timeout=args.trial_timeout,
-        warmup_steps=args.warmup_steps, measure_steps=args.measure_steps, strategy=args.strategy,
-        dataset=args.dataset, text_column=args.text_column, tokenizer=args.tokenizer,
-    )
+    options = RunOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(RunOptions)})
+    plan = plan_run(options)
     if args.output and Path(args.output).is_dir():
         raise UsageError(f"--output {args.output} is a directory: give a file name like best.json")
-    study = open_study(plan, shlex.join(["autotune", *sys.argv[1:]]) if sys.argv[1:2] == ["run"] else None)
-    resumed = sum(
-        1 for t in study.get_trials(deepcopy=False)
-        if t.state.is_finished() and not {"duplicate_of", "remeasure_of"} & set(t.user_attrs)
-    )
-    console.print(
-        f"[bold]autotune[/] {plan.model.name} seq-len {plan.seq_len} on {plan.device.name}, "
-        f"ceiling {format_bytes(plan.memory_ceiling_bytes)}, space '{plan.space.name}' ({plan.space.size:,} configurations)"
-        + (f", resuming {resumed} finished trials" if resumed else ""),
-        soft_wrap=True,
-    )
-    console.print(f"study '{plan.study_name}' in {plan.storage}", style="dim")
-    for dropped in plan.space.dropped:
-        console.print(f"  dropped {dropped}", style="yellow")
-    if plan.space.effective_batch_size:
-        console.print(f"  effective batch size fixed at {plan.space.effective_batch_size}: accumulation = {plan.space.effective_batch_size} / batch size")
-    evaluator = plan_evaluator(plan, ProbeEvaluator)
-    report_path = Path(args.report_dir) / f"{plan.study_name}.html"
+    command = shlex.join(["autotune", *sys.argv[1:]]) if sys.argv[1:2] == ["run"] else None
+    live = LiveProgress(console, budget_s=plan.settings.budget_s, n_trials=plan.settings.n_trials,
+                        ceiling_bytes=plan.memory_ceiling_bytes)
     try:
-        with LiveProgress(console, budget_s=plan.settings.budget_s, n_trials=plan.settings.n_trials,
-                          ceiling_bytes=plan.memory_ceiling_bytes) as live:
-            outcome = execute(plan, study, evaluator, on_trial=live.on_trial, on_start=live.on_start)
-    except KeyboardInterrupt:
-        # Ctrl-C outside a probe (the driver handles it inside one): keep what was measured.
-        result = load_result(plan.study_name, plan.storage, stopped_because="interrupted")
-        console.print(f"interrupted; report: {write_report(result, report_path)}")
+        with live:
+            done = run_plan(plan, on_open=lambda p, resumed: print_header(console, p, resumed), on_start=live.on_start,
+                            on_trial=live.on_trial, report_dir=args.report_dir, command=command)
+    except KeyboardInterrupt:  # outside a probe (inside one the loop stops cleanly): the report is written
+        console.print(f"interrupted; report: {Path(args.report_dir) / (plan.study_name + '.html')}")
         raise
-    result = load_result(plan.study_name, plan.storage, stopped_because=outcome.stopped_because)
-    if outcome.pruned:
-        console.print(f"{outcome.pruned} configurations pruned without running (the memory model ruled them out)", style="dim")
+    result = done.result
+    if done.search.pruned:
+        console.print(f"{done.search.pruned} configurations pruned without running (the memory model ruled them out)", style="dim")
     print_summary(console, result)
-    report = write_report(result, report_path)
-    console.print(f"report: {report}")
+    console.print(f"report: {done.report_path}")
     if result.best is None:
         raise NothingFits(nothing_fits_message(result))
     if args.output:
         console.print(f"best configuration written to {result.write_best_json(args.output)}")
-    return EXIT_INTERRUPTED if outcome.stopped_because == "interrupted" else 0
+    return EXIT_INTERRUPTED if done.search.stopped_because == "interrupted" else 0
 
 
 def _add_estimate(sub: argparse._SubParsersAction) -> None:
@@ -183,7 +160,7 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
 def cmd_estimate(args: argparse.Namespace) -> int:
     import json
 
-    from autotune.estimate import estimate_table
+    from autotune.search.estimate import estimate_table
     from autotune.units import format_bytes, parse_bytes
 
     estimate = estimate_table(args.model, seq_len=args.seq_len, device_memory_bytes=parse_bytes(args.device_memory),
@@ -223,7 +200,7 @@ def _add_replay(sub: argparse._SubParsersAction) -> None:
 def cmd_replay(args: argparse.Namespace) -> int:
     import json
 
-    from autotune.replay import load_table, replay_search
+    from autotune.search.replay import load_table, replay_search
     from autotune.space import load_space
     from autotune.units import format_bytes, format_duration, parse_bytes, parse_duration_s
 
@@ -295,7 +272,7 @@ def cmd_spaces(args: argparse.Namespace) -> int:
 
 
 def _add_study_command(sub: argparse._SubParsersAction, name: str, help_text: str, description: str) -> argparse.ArgumentParser:
-    from autotune.api import DEFAULT_STORAGE
+    from autotune.studies import DEFAULT_STORAGE
 
     p = sub.add_parser(name, help=help_text, description=description, epilog=_epilog(name),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -313,11 +290,11 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from autotune.report import write_report
-    from autotune.studies import open_result
+    from autotune.report.html import write_report
+    from autotune.results import load_result
     from autotune.units import format_bytes
 
-    result = open_result(args.study, args.storage)
+    result = load_result(args.study, args.storage)
     path = write_report(result, args.output or Path("reports") / f"{args.study}.html")
     print(f"report: {path} ({format_bytes(path.stat().st_size)}, {len(result.trials)} trials)")
     return 0
@@ -333,10 +310,10 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
 def cmd_export(args: argparse.Namespace) -> int:
     import json
 
-    from autotune.report_data import training_arguments_code
-    from autotune.studies import open_result
+    from autotune.report.model import training_arguments_code
+    from autotune.results import load_result
 
-    result = open_result(args.study, args.storage)
+    result = load_result(args.study, args.storage)
     if args.format == "python":
         print(training_arguments_code(result), end="")
     else:
@@ -350,7 +327,7 @@ def _add_list(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from autotune.studies import list_studies
+    from autotune.results import list_studies
 
     rows = list_studies(args.storage)
     if not rows:

@@ -13,9 +13,10 @@ from rich.progress import BarColumn, Progress, ProgressColumn, SpinnerColumn, Te
 from rich.table import Table
 from rich.text import Text
 
-from autotune.driver import TrialRecord
 from autotune.params import TrialParams
+from autotune.records import ProbeStatus
 from autotune.results import TuneResult
+from autotune.search.loop import TrialRecord
 from autotune.units import format_bytes, format_duration
 
 
@@ -87,7 +88,7 @@ class LiveProgress:
                 detail += " [yellow](over the ceiling)[/]"
         else:
             detail = (result.error or "").strip().splitlines()[0][:100] if result.error else ""
-        style = {"ok": "green", "oom": "yellow"}.get(result.status, "red")
+        style = {ProbeStatus.OK: "green", ProbeStatus.OOM: "yellow"}.get(result.status, "red")
         tag = " (baseline)" if record.is_baseline else ""
         if record.remeasure_of is not None:
             tag = f" (near-tie: re-measure of trial {record.remeasure_of})"
@@ -98,6 +99,22 @@ class LiveProgress:
         )
         completed = time.monotonic() - self.start_s if self.budget_s else self.done
         self.progress.update(self.task, completed=completed, status=self._status())
+
+
+def print_header(console: Console, plan: Any, resumed: int) -> None:
+    """What is about to be tuned, where the study lives, and what the space dropped (an ``api.RunPlan``)."""
+    console.print(
+        f"[bold]autotune[/] {plan.model.name} seq-len {plan.seq_len} on {plan.device.name}, "
+        f"ceiling {format_bytes(plan.memory_ceiling_bytes)}, space '{plan.space.name}' ({plan.space.size:,} configurations)"
+        + (f", resuming {resumed} finished trials" if resumed else ""),
+        soft_wrap=True,
+    )
+    console.print(f"study '{plan.study_name}' in {plan.storage}", style="dim")
+    for dropped in plan.space.dropped:
+        console.print(f"  dropped {dropped}", style="yellow")
+    if plan.space.effective_batch_size:
+        ebs = plan.space.effective_batch_size
+        console.print(f"  effective batch size fixed at {ebs}: accumulation = {ebs} / batch size")
 
 
 def ranked_table(result: TuneResult, top: int = 10) -> Table:

@@ -40,6 +40,13 @@ class TrialParams:
         """Samples per optimizer step on one device."""
         return self.per_device_train_batch_size * self.gradient_accumulation_steps
 
+    def key(self) -> tuple[Any, ...]:
+        """The configuration as a hashable tuple, in :data:`PARAM_NAMES` order: equal keys, same configuration."""
+        return tuple(getattr(self, name) for name in PARAM_NAMES)
+
+    def replace(self, **changes: Any) -> TrialParams:
+        return dataclasses.replace(self, **changes)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

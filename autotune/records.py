@@ -1,19 +1,62 @@
-"""Records that cross the process boundary: what a probe should run and what it measured.
+"""Records that cross a module or process boundary: what a probe runs, what it measured, on what.
 
-Both are frozen dataclasses serialised as JSON. An OOM is data (``status="oom"``), not text.
+All are frozen dataclasses serialised as JSON. An outcome is data (:class:`ProbeStatus`), not text.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from autotune.params import TrialParams
 
-Status = Literal["ok", "oom", "timeout", "crash", "diverged"]
-STATUSES: tuple[str, ...] = ("ok", "oom", "timeout", "crash", "diverged")
+DeviceKind = Literal["cuda", "cpu"]
+
+
+class ProbeStatus(str, enum.Enum):
+    """The outcome of one trial, as stored in the study (``status`` user attribute) and replay tables.
+
+    The first five are what a probe that ran can end in; ``PRUNED`` is a configuration the strategy
+    ruled out without running it (the memory model predicted it over the ceiling). A ``str`` enum,
+    so a member compares equal to its stored text (``ProbeStatus.OK == "ok"``).
+    """
+
+    OK = "ok"
+    OOM = "oom"
+    TIMEOUT = "timeout"  # the deadline passed: says nothing about speed or memory
+    CRASH = "crash"
+    DIVERGED = "diverged"  # finished, but the loss went NaN/inf
+    PRUNED = "pruned"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __hash__(self) -> int:  # as its text's, so a member finds the text's entry in a dict or set
+        return str.__hash__(self)
+
+    def ran(self) -> bool:
+        """A probe ran (every status but ``PRUNED``)."""
+        return self is not ProbeStatus.PRUNED
+
+    def is_measured(self) -> bool:
+        """The probe ran to an outcome that says something about this configuration.
+
+        A timeout (often cut short by the budget) and a pruned trial do not; ``oom``, ``crash`` and
+        ``diverged`` do: a configuration that ran out of memory once does not fit, however often
+        it fitted elsewhere.
+        """
+        return self in (ProbeStatus.OK, ProbeStatus.OOM, ProbeStatus.CRASH, ProbeStatus.DIVERGED)
+
+    def is_ok(self) -> bool:
+        return self is ProbeStatus.OK
+
+    @classmethod
+    def values(cls, *, ran: bool = False) -> tuple[str, ...]:
+        """The stored texts, in declaration order (``ran``: only the outcomes of a probe that ran)."""
+        return tuple(s.value for s in cls if s.ran() or not ran)
 
 
 @dataclass(frozen=True)
@@ -48,9 +91,9 @@ class ProbeSpec:
 
 @dataclass(frozen=True)
 class ProbeResult:
-    """What one probe measured. Throughput fields are None unless ``status == "ok"``."""
+    """What one probe measured. Throughput fields are None unless the status is ``ok``."""
 
-    status: Status
+    status: ProbeStatus
     samples_per_s: float | None = None  # whole optimizer steps (all accumulation micro-batches)
     tokens_per_s: float | None = None
     step_time_s: float | None = None  # mean optimizer-step time over the measured window
@@ -65,10 +108,10 @@ class ProbeResult:
     losses: tuple[float, ...] = ()
     error: str | None = None  # reason for a non-ok status (stderr tail for a crash)
     device_name: str | None = None
-    # Steady state (see autotune.steady).
+    # Steady state (see autotune.probe.steady).
     step_time_ci95_rel: float | None = None  # half-width of the 95% CI of the mean step time, relative
     stable: bool = False  # the CI met the target before a step/time cap
-    # Model FLOPs (see autotune.flops).
+    # Model FLOPs (see autotune.probe.flops).
     model_flops_per_token: float | None = None  # 6N + 12·L·H·Q·T, PaLM Appendix B
     achieved_tflops: float | None = None
     mfu: float | None = None  # 0..1; None for a device without a known peak
@@ -86,12 +129,21 @@ class ProbeResult:
     model_build_s: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "status", ProbeStatus(self.status))  # text from JSON or a table: checked here
+
     @property
     def ok(self) -> bool:
-        return self.status == "ok"
+        return self.status is ProbeStatus.OK
+
+    def fits(self, ceiling_bytes: int | None) -> bool:
+        """This probe finished under the memory ceiling (the per-probe half of the feasibility rule,
+        :func:`autotune.search.ranking.rank_configurations`, which holds the other half)."""
+        return self.ok and self.peak_mem_bytes is not None and (ceiling_bytes is None or self.peak_mem_bytes <= ceiling_bytes)
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
+        data["status"] = self.status.value
         data["losses"] = list(self.losses)
         return data
 
@@ -104,3 +156,41 @@ class ProbeResult:
 
     def replace(self, **changes: Any) -> ProbeResult:
         return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """What the probes will run on."""
+
+    kind: DeviceKind
+    name: str
+    total_memory_bytes: int
+    compute_capability: tuple[int, int] | None = None
+    driver_version: str | None = None
+    cuda_version: str | None = None
+    index: int = 0
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.kind == "cuda"
+
+    @property
+    def supports_bf16(self) -> bool:
+        # bf16 Tensor Cores arrive with Ampere (sm_80); CPUs run bf16 autocast in software.
+        return not self.is_cuda or (self.compute_capability or (0, 0)) >= (8, 0)
+
+    @property
+    def supports_tf32(self) -> bool:
+        return self.is_cuda and (self.compute_capability or (0, 0)) >= (8, 0)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["compute_capability"] = list(self.compute_capability) if self.compute_capability else None
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DeviceInfo:
+        data = dict(data)
+        if data.get("compute_capability"):
+            data["compute_capability"] = tuple(data["compute_capability"])
+        return cls(**data)

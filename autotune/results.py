@@ -15,19 +15,20 @@ from typing import Any
 import optuna
 import pandas as pd
 
-from autotune.driver import (
+from autotune import studies
+from autotune.errors import NothingFits
+from autotune.params import PARAM_NAMES, TrialParams
+from autotune.records import ProbeResult, ProbeStatus
+from autotune.search.ranking import rank_configurations
+from autotune.studies import (
     ATTR_DUPLICATE_OF,
     ATTR_PARAMS,
     ATTR_PREDICTED_PEAK,
     ATTR_REASON,
     ATTR_REMEASURE_OF,
     ATTR_RESULT,
-    ATTR_ROLE,
     ATTR_STATUS,
-    MEASURED_STATUSES,
 )
-from autotune.errors import NothingFits, UsageError
-from autotune.params import PARAM_NAMES, TrialParams
 
 RESULT_COLUMNS = (
     "samples_per_s",
@@ -62,8 +63,6 @@ RESULT_COLUMNS = (
 # freshly initialised model is orders of magnitude below this.
 LOSS_DRIFT_TOLERANCE = 0.02
 
-STUDY_ATTR = "autotune"  # study user attribute holding the run's settings (model, device, space...)
-
 
 def trials_frame(study: optuna.Study, memory_ceiling_bytes: int | None, *, include_repeats: bool = False) -> pd.DataFrame:
     """One row per trial: its parameters, outcome, measurements, and whether it fits the ceiling.
@@ -90,7 +89,7 @@ def trials_frame(study: optuna.Study, memory_ceiling_bytes: int | None, *, inclu
             "trial": trial.number,
             "state": state,
             "status": attrs.get(ATTR_STATUS, "running" if state == "running" else state),
-            "is_baseline": attrs.get(ATTR_ROLE) == "baseline",
+            "is_baseline": studies.is_baseline(trial),
             "duplicate_of": attrs.get(ATTR_DUPLICATE_OF),
             "remeasure_of": attrs.get(ATTR_REMEASURE_OF),
         }
@@ -101,10 +100,7 @@ def trials_frame(study: optuna.Study, memory_ceiling_bytes: int | None, *, inclu
         for name in RESULT_COLUMNS:
             row[name] = result.get(name)
         row["predicted_peak_mem_bytes"] = attrs.get(ATTR_PREDICTED_PEAK)
-        peak = row["peak_mem_bytes"]
-        row["feasible"] = bool(
-            row["status"] == "ok" and peak is not None and (memory_ceiling_bytes is None or peak <= memory_ceiling_bytes)
-        )
+        row["feasible"] = bool(result) and ProbeResult.from_dict(result).fits(memory_ceiling_bytes)
         row["reason"] = attrs.get(ATTR_REASON)
         row["losses"] = result.get("losses") or []
         row["started_at"] = trial.datetime_start
@@ -157,17 +153,37 @@ _MEAN_COLUMNS = ("samples_per_s", "tokens_per_s", "step_time_s", "achieved_tflop
 _MAX_COLUMNS = ("peak_mem_bytes", "peak_allocated_bytes", "peak_reserved_bytes", "peak_device_used_bytes", "step_time_ci95_rel")
 
 
-def rank_configurations(trials: pd.DataFrame) -> pd.DataFrame:
-    """The rows of :meth:`TuneResult.ranked` from a :func:`trials_frame`."""
-    measured = trials[trials["duplicate_of"].isna() & trials["status"].isin(MEASURED_STATUSES)]
-    groups: dict[tuple[Any, ...], list[int]] = {}
-    for position, values in enumerate(zip(*(measured[n].tolist() for n in PARAM_NAMES))):
-        groups.setdefault(tuple(_py(v) for v in values), []).append(position)
+@dataclass(frozen=True)
+class _FrameProbe:
+    """A trials-frame row as the ranking reads it."""
+
+    number: int
+    params: TrialParams
+    result: ProbeResult
+
+
+def _frame_probes(trials: pd.DataFrame) -> list[_FrameProbe]:
+    """The rows of probes that ran (repeats, pruned, running and failed-without-a-probe rows left out)."""
+    ran = trials[trials["duplicate_of"].isna() & trials["status"].isin(ProbeStatus.values(ran=True))]
+    probes = []
+    for row in ran.to_dict("records"):
+        params = TrialParams.from_dict({name: _py(row[name]) for name in PARAM_NAMES})
+        result = ProbeResult.from_dict({k: _py(row[k]) for k in ("status", "samples_per_s", "peak_mem_bytes", "step_time_ci95_rel", "wall_s")})
+        probes.append(_FrameProbe(int(row["trial"]), params, result))
+    return probes
+
+
+def rank_configurations_frame(trials: pd.DataFrame, memory_ceiling_bytes: int | None) -> pd.DataFrame:
+    """The rows of :meth:`TuneResult.ranked` from a :func:`trials_frame`, ranked by the one rule
+    (:func:`autotune.search.ranking.rank_configurations`)."""
+    columns = [*trials.columns, "n_measurements", "probe_trials"]
+    ranked = rank_configurations(_frame_probes(trials), memory_ceiling_bytes)
+    if not ranked:
+        return pd.DataFrame(columns=columns)
+    by_trial = trials.set_index("trial", drop=False)
     rows = []
-    for positions in groups.values():
-        probes = measured.iloc[positions].sort_values("trial")
-        if not probes["feasible"].all():
-            continue
+    for configuration in ranked:
+        probes = by_trial.loc[list(configuration.trials)]
         row = probes.iloc[0].copy()
         for name in _MEAN_COLUMNS:
             values = pd.to_numeric(probes[name], errors="coerce").dropna()
@@ -175,13 +191,10 @@ def rank_configurations(trials: pd.DataFrame) -> pd.DataFrame:
         for name in _MAX_COLUMNS:
             values = pd.to_numeric(probes[name], errors="coerce").dropna()
             row[name] = values.max() if len(values) else None
-        row["n_measurements"] = len(probes)
+        row["n_measurements"] = configuration.n_measurements
+        row["probe_trials"] = configuration.trials
         rows.append(row)
-    columns = [*trials.columns, "n_measurements"]
-    if not rows:
-        return pd.DataFrame(columns=columns)
-    frame = pd.DataFrame(rows, columns=columns).sort_values(["samples_per_s", "trial"], ascending=[False, True], kind="stable")
-    return frame.reset_index(drop=True)
+    return pd.DataFrame(rows, columns=columns).reset_index(drop=True)
 
 
 @dataclass
@@ -207,9 +220,10 @@ class TuneResult:
         diverged; not repeats, pruned trials or timeouts); it fits when every one of them fits.
         The row is its first trial's, with ``samples_per_s``, ``tokens_per_s``, ``step_time_s``,
         ``achieved_tflops`` and ``mfu`` the means over its ok probes, the peak-memory columns and
-        ``step_time_ci95_rel`` the largest, and ``n_measurements`` the number of ok probes.
+        ``step_time_ci95_rel`` the largest, ``n_measurements`` the number of ok probes and
+        ``probe_trials`` their trial numbers.
         """
-        return rank_configurations(self.trials)
+        return rank_configurations_frame(self.trials, self.memory_ceiling_bytes)
 
     @property
     def best(self) -> pd.Series | None:
@@ -322,26 +336,68 @@ def _py(value: Any) -> Any:
 
 
 def load_result(study_name: str, storage: str, *, stopped_because: str | None = None) -> TuneResult:
-    """Rebuild a :class:`TuneResult` from the storage.
+    """Rebuild a :class:`TuneResult` from the storage (the study may still be running).
 
     Raises:
-        UsageError: if the study does not exist in that storage.
+        UsageError: bad storage, or no such study (the message lists the ones there are).
     """
-    try:
-        study = optuna.load_study(study_name=study_name, storage=storage)
-    except KeyError:
-        names = [s.study_name for s in optuna.get_all_study_summaries(storage)]
-        raise UsageError(
-            f"no study {study_name!r} in {storage}: use one of {', '.join(names) or '(none yet)'} or run `autotune run` first"
-        ) from None
-    settings = dict(study.user_attrs.get(STUDY_ATTR, {}))
+    study = studies.load_existing(study_name, storage)
+    settings = studies.settings_of(study)
     return TuneResult(
         study_name=study_name,
         storage=storage,
         trials=trials_frame(study, settings.get("memory_ceiling_bytes")),
         settings=settings,
-        stopped_because=stopped_because or ((settings.get("runs") or [{}])[-1].get("stopped_because")),
+        stopped_because=stopped_because or studies.last_stop(settings),
     )
+
+
+@dataclass(frozen=True)
+class StudyRow:
+    """One line of ``autotune list``."""
+
+    name: str
+    model: str
+    device: str
+    n_trials: int
+    counts: dict[str, int]
+    best_samples_per_s: float | None
+    best_config: str
+
+
+def list_studies(storage: str) -> list[StudyRow]:
+    """Every study in ``storage`` with its trial counts and best fitting speed.
+
+    Raises:
+        UsageError: bad storage.
+    """
+    rows = []
+    for name in studies.study_names(storage):
+        result = load_result(name, storage)
+        settings = result.settings
+        best = result.best
+        rows.append(StudyRow(
+            name=name,
+            model=str(settings.get("model", "?")),
+            device=str((settings.get("device") or {}).get("name", "?")),
+            n_trials=len(result.trials),
+            counts=result.counts(),
+            best_samples_per_s=float(best["samples_per_s"]) if best is not None else None,
+            best_config=short_config(best) if best is not None else "-",
+        ))
+    return rows
+
+
+def short_config(row: Any) -> str:
+    """``bs8x1 fp32 adamw_torch_fused sdpa`` for a frame row, an ``itertuples`` row or a dict."""
+    if hasattr(row, "_asdict"):
+        row = row._asdict()
+    values = {name: _py(row.get(name)) for name in PARAM_NAMES}
+    values = {k: v for k, v in values.items() if v is not None}
+    try:
+        return TrialParams.from_dict(values).short()
+    except (TypeError, ValueError):
+        return "-"
 
 
 @dataclass

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import difflib
 import importlib.resources
+import importlib.util
+import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from autotune.device import DeviceInfo, package_available
 from autotune.errors import SearchSpaceError, UsageError
 from autotune.params import (
     ATTN_IMPLEMENTATIONS,
@@ -24,8 +25,10 @@ from autotune.params import (
     PARAM_NAMES,
     PRECISIONS,
     TrialParams,
+    baseline_params,
     parse_compile,
 )
+from autotune.records import DeviceInfo
 
 # Optimizers that need an optional package (module name) to run.
 _OPTIM_PACKAGES = {
@@ -61,7 +64,14 @@ class Dropped:
 
 @dataclass(frozen=True)
 class SearchSpace:
-    """Allowed values per parameter (ordered as in the file), plus an optional fixed effective batch size."""
+    """Allowed values per parameter (ordered as in the file), plus an optional fixed effective batch size.
+
+    The space owns the effective-batch rule: with ``effective_batch_size`` N fixed, gradient
+    accumulation is not a free dimension but ``N / per_device_train_batch_size``, so every point
+    keeps ``batch x accumulation = N``. Everything that makes, counts or checks points goes through
+    the methods below (:meth:`free_params`, :meth:`complete`, :meth:`suggest`, :meth:`optuna_params`,
+    :meth:`random_point`, :attr:`size`, :meth:`contains`), so the rule is written once.
+    """
 
     name: str
     choices: dict[str, tuple[Any, ...]]
@@ -69,24 +79,62 @@ class SearchSpace:
     dropped: tuple[Dropped, ...] = field(default=())
 
     @property
+    def free_params(self) -> tuple[str, ...]:
+        """The parameters a sampler chooses (accumulation is derived under a fixed effective batch size)."""
+        return tuple(n for n in self.choices if not (n == "gradient_accumulation_steps" and self.effective_batch_size))
+
+    @property
     def size(self) -> int:
+        """How many distinct configurations the space holds."""
         total = 1
-        for name, values in self.choices.items():
-            if name == "gradient_accumulation_steps" and self.effective_batch_size:
-                continue
-            total *= len(values)
+        for name in self.free_params:
+            total *= len(self.choices[name])
         return total
 
-    def contains(self, params: TrialParams) -> bool:
+    def complete(self, values: dict[str, Any]) -> TrialParams:
+        """A point from values of the free parameters (others at their defaults), accumulation derived if fixed."""
+        values = dict(values)
+        if self.effective_batch_size:
+            values["gradient_accumulation_steps"] = self.effective_batch_size // values["per_device_train_batch_size"]
+        return TrialParams.from_dict(values)
+
+    def with_changes(self, params: TrialParams, **changes: Any) -> TrialParams:
+        """``params`` with some values changed, accumulation re-derived if the effective batch size is fixed."""
+        return self.complete({**params.to_dict(), **changes})
+
+    def suggest(self, trial: Any) -> TrialParams:
+        """Ask an Optuna trial for one value per free parameter."""
+        return self.complete({name: trial.suggest_categorical(name, list(self.choices[name])) for name in self.free_params})
+
+    def optuna_params(self, params: TrialParams) -> dict[str, Any]:
+        """The Optuna parameter dict of ``params`` (what ``enqueue_trial`` takes)."""
         values = params.to_dict()
-        for name, allowed in self.choices.items():
-            if name == "gradient_accumulation_steps" and self.effective_batch_size:
-                if params.effective_batch_size != self.effective_batch_size:
-                    return False
-                continue
-            if values[name] not in allowed:
-                return False
-        return True
+        return {name: values[name] for name in self.free_params}
+
+    def random_point(self, rng: random.Random) -> TrialParams:
+        return self.complete({name: rng.choice(self.choices[name]) for name in self.free_params})
+
+    def contains(self, params: TrialParams) -> bool:
+        if self.effective_batch_size and params.effective_batch_size != self.effective_batch_size:
+            return False
+        values = params.to_dict()
+        return all(values[name] in self.choices[name] for name in self.free_params)
+
+    def baseline(self) -> TrialParams:
+        """transformers' defaults in this space (under a fixed effective batch size, the largest
+        allowed batch <= 8 that divides it): see :func:`autotune.params.baseline_params`."""
+        if not self.effective_batch_size:
+            return baseline_params()
+        return baseline_params(self.effective_batch_size, tuple(self.choices["per_device_train_batch_size"]))
+
+    def including(self, params: TrialParams) -> SearchSpace:
+        """This space with ``params``'s values added where missing (first), so ``params`` is a point of it."""
+        space = self
+        for name in self.free_params:
+            value = getattr(params, name)
+            if value not in space.choices[name]:
+                space = space.with_values(name, (value, *space.choices[name]))
+        return space
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -95,6 +143,17 @@ class SearchSpace:
             "effective_batch_size": self.effective_batch_size,
             "dropped": [str(d) for d in self.dropped],
         }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SearchSpace:
+        """The space as stored with a study (``dropped`` kept as text, for display only)."""
+        dropped = []
+        for text in data.get("dropped") or ():
+            param, _, rest = str(text).partition("=")
+            value, _, reason = rest.partition(": ")
+            dropped.append(Dropped(param, value, reason))
+        choices = {k: tuple(v) for k, v in (data.get("choices") or {}).items()}
+        return cls(str(data.get("name", "")), choices, data.get("effective_batch_size"), tuple(dropped))
 
     def with_values(self, param: str, values: tuple[Any, ...]) -> SearchSpace:
         return SearchSpace(self.name, {**self.choices, param: values}, self.effective_batch_size, self.dropped)
@@ -175,6 +234,14 @@ def _unrunnable_reason(
         if not device.is_cuda and (backend == "cudagraphs" or mode == "reduce-overhead"):
             return "CUDA graphs need a CUDA GPU"
     return None
+
+
+def package_available(module: str) -> bool:
+    """Whether ``module`` can be imported, without importing it."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 # ---------------------------------------------------------------------- loading

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from autotune.replay import load_table, replay_search
+from autotune.search.replay import load_table, replay_search
 from autotune.units import format_bytes, parse_bytes, parse_duration_s
 
 DATA = Path(__file__).resolve().parent.parent / "tests" / "data"

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from autotune.device import DeviceInfo
-from autotune.driver import VirtualClock
+from autotune.records import DeviceInfo
+from autotune.search.loop import VirtualClock
 from autotune.params import TrialParams
 from autotune.records import ProbeResult
 

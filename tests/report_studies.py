@@ -5,11 +5,13 @@ from __future__ import annotations
 import optuna
 
 from autotune.api import package_versions
-from autotune.device import DeviceInfo
-from autotune.driver import SearchSettings, make_sampler, optuna_params, run_search
+from autotune.records import DeviceInfo
+from autotune.search.loop import SearchSettings, run_search
+from autotune.search.strategies.baselines import tpe_sampler as make_sampler
 from autotune.params import TrialParams, baseline_params
 from autotune.records import ProbeResult
-from autotune.results import STUDY_ATTR, TuneResult, load_result
+from autotune.results import TuneResult, load_result
+from autotune.studies import ATTR_ROLE, ROLE_BASELINE, STUDY_ATTR
 from autotune.space import parse_space
 from tests.conftest import GiB, FakeEvaluator
 
@@ -59,10 +61,10 @@ def make_study(storage: str, name: str = "report-test", *, n_trials: int = 12,
         (4, "fp32"): "crash", (16, "bf16"): "timeout", (4, "bf16"): "diverged",
     })
     space = parse_space(SPACE).restrict(DEVICE)
-    study.enqueue_trial(optuna_params(baseline_params(), space), user_attrs={"role": "baseline"})
+    study.enqueue_trial(space.optuna_params(baseline_params()), user_attrs={ATTR_ROLE: ROLE_BASELINE})
     for batch, precision, checkpointing in FORCED:
         params = TrialParams(per_device_train_batch_size=batch, precision=precision, gradient_checkpointing=checkpointing)
-        study.enqueue_trial(optuna_params(params, space))
+        study.enqueue_trial(space.optuna_params(params))
     run_search(study, space, fake, SearchSettings(memory_ceiling_bytes=CEILING, n_trials=n_trials),
                baseline=baseline_params(), clock=fake.clock)
     return load_result(name, storage)

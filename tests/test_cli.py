@@ -127,10 +127,10 @@ def test_invalid_space_file_lists_every_problem(tmp_path, capsys) -> None:
 
 
 def test_resume_with_other_settings_is_refused_without_touching_the_study(tmp_path, capsys) -> None:
-    from autotune.api import open_study, plan_run
+    from autotune.api import RunOptions, open_study, plan_run
 
     storage = f"sqlite:///{tmp_path / 'a.db'}"
-    open_study(plan_run("tiny-gptneox", space="quick", seq_len=32, device="cpu", storage=storage, study="s"))
+    open_study(plan_run(RunOptions(model="tiny-gptneox", space="quick", seq_len=32, device="cpu", storage=storage, study="s")))
     code = main(["run", "--model", "tiny-gptneox", "--space", "default", "--seq-len", "32", "--device", "cpu",
                  "--storage", storage, "--study", "s"])
     assert code == 2

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from autotune import isolation
-from autotune.api import plan_run
+from autotune.probe import isolation
+from autotune.api import RunOptions, plan_run
 from autotune.data import FORMATS, DatasetSpec, TextDataset, read_texts
 from autotune.errors import UsageError
 from autotune.models import resolve_model
@@ -63,16 +63,16 @@ def test_packing_gives_exactly_seq_len_real_tokens() -> None:
 def test_plan_run_checks_the_dataset_before_any_study(tmp_path) -> None:
     storage = f"sqlite:///{tmp_path / 'a.db'}"
     common = {"device": "cpu", "n_trials": 1, "storage": storage, "seq_len": 32}
-    plan = plan_run("tiny-gptneox", dataset=str(TEXT / "corpus.csv"), tokenizer=TOKENIZER, **common)
+    plan = plan_run(RunOptions(model="tiny-gptneox", dataset=str(TEXT / "corpus.csv"), tokenizer=TOKENIZER, **common))
     assert plan.dataset.path == str((TEXT / "corpus.csv").resolve()) and plan.dataset.text_column == "text"
     with pytest.raises(UsageError, match="pass --text-column"):
-        plan_run("tiny-gptneox", dataset=str(TEXT / "corpus.csv"), text_column="body", tokenizer=TOKENIZER, **common)
+        plan_run(RunOptions(model="tiny-gptneox", dataset=str(TEXT / "corpus.csv"), text_column="body", tokenizer=TOKENIZER, **common))
     with pytest.raises(UsageError, match="no tokenizer of its own: pass --tokenizer"):
-        plan_run("tiny-gptneox", dataset=str(TEXT / "corpus.csv"), **common)
+        plan_run(RunOptions(model="tiny-gptneox", dataset=str(TEXT / "corpus.csv"), **common))
     with pytest.raises(UsageError, match="cannot load tokenizer"):
-        plan_run("tiny-gptneox", dataset=str(TEXT / "corpus.csv"), tokenizer=str(tmp_path), **common)
+        plan_run(RunOptions(model="tiny-gptneox", dataset=str(TEXT / "corpus.csv"), tokenizer=str(tmp_path), **common))
     with pytest.raises(UsageError, match="only used with --dataset"):
-        plan_run("tiny-gptneox", tokenizer=TOKENIZER, **common)
+        plan_run(RunOptions(model="tiny-gptneox", tokenizer=TOKENIZER, **common))
     assert not (tmp_path / "a.db").exists()
 
 

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from autotune.cli import main
-from autotune.memory import MemoryModel, ModelDims
+from autotune.search.memory import MemoryModel, ModelDims
 from autotune.models import resolve_model
 from autotune.params import TrialParams
 from autotune.space import load_space

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from autotune.flops import PEAK_TFLOPS, achieved_tflops, mfu, model_flops_per_token, peak_tflops
+from autotune.probe.flops import PEAK_TFLOPS, achieved_tflops, mfu, model_flops_per_token, peak_tflops
 
 
 def test_palm_formula_by_hand() -> None:

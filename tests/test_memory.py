@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from autotune.memory import (
+from autotune.search.memory import (
     CUDA_CONTEXT_BYTES,
     MemoryModel,
     ModelDims,

@@ -10,11 +10,11 @@ import threading
 
 import pytest
 
-from autotune import isolation
+from autotune.probe import isolation
 from autotune.models import resolve_model
 from autotune.params import TrialParams
 from autotune.records import ProbeSpec
-from autotune.steady import ci95_rel
+from autotune.probe.steady import ci95_rel
 
 pytestmark = pytest.mark.slow  # each probe runs a real Trainer in a fresh process (~1-5 s here)
 
@@ -186,7 +186,7 @@ def test_process_server_overhead_against_a_cold_start(record_property) -> None:
 
 
 def _has_cuda() -> bool:
-    from autotune.device import detect_device
+    from autotune.probe.device import detect_device
 
     return detect_device("auto").is_cuda
 
@@ -221,7 +221,7 @@ def test_gpu_memory_ceiling_makes_a_real_oom() -> None:
 
 def test_torch_compile_probe_excludes_compilation_from_the_timing() -> None:
     # torch.compile with inductor on the CPU: ~20-30 s of compilation in the warm-up steps.
-    from autotune.evaluators import COMPILE_EXTRA_WARMUP_STEPS, ProbeEvaluator
+    from autotune.probe.evaluator import COMPILE_EXTRA_WARMUP_STEPS, ProbeEvaluator
 
     evaluator = ProbeEvaluator(model=resolve_model("tiny-gptneox").to_dict(), seq_len=32, device="cpu",
                                warmup_steps=1, measure_steps=3)

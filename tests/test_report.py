@@ -12,15 +12,10 @@ import pytest
 
 from autotune.cli import main
 from autotune.results import load_result
-from autotune.report import MAX_REPORT_BYTES, plotly_js, render_report, write_report
-from autotune.report_data import (
-    OUTCOMES,
-    build_report_model,
-    format_value,
-    largest_default_batch,
-    pareto_front,
-    param_importance,
-)
+from autotune.report.html import MAX_REPORT_BYTES, plotly_js, render_report, write_report
+from autotune.report.charts import pareto_front, param_importance
+from autotune.report.formatting import format_value
+from autotune.report.model import OUTCOMES, build_report_model, largest_default_batch
 from tests.report_studies import empty_study, make_study
 
 
@@ -274,7 +269,7 @@ def test_export_when_nothing_fits_is_exit_3(storage, capsys) -> None:
 def test_run_writes_the_report_when_interrupted(tmp_path, monkeypatch, capsys) -> None:
     """Ctrl-C between probes: the run still writes the report of what it measured, and exits 130."""
     import autotune.api
-    from autotune.driver import SearchOutcome
+    from autotune.search.loop import SearchOutcome
     from tests.conftest import FakeEvaluator
 
     real_execute = autotune.api.execute
@@ -297,8 +292,9 @@ def test_a_near_tie_is_ranked_by_its_mean_in_the_report_and_the_console(storage)
     from rich.console import Console
 
     from autotune.console import ranked_table
-    from autotune.driver import SearchSettings, make_sampler, run_search
-    from autotune.results import STUDY_ATTR
+    from autotune.search.loop import SearchSettings, run_search
+    from autotune.search.strategies.baselines import tpe_sampler as make_sampler
+    from autotune.studies import STUDY_ATTR
     from autotune.space import parse_space
     from tests.conftest import GiB, NoisyEvaluator
     from tests.report_studies import DEVICE, settings

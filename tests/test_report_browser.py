@@ -75,7 +75,7 @@ def _requested_urls(driver) -> list[str]:
 
 
 def test_report_opens_offline_with_every_chart_and_trial(browser, tmp_path) -> None:
-    from autotune.report import write_report
+    from autotune.report.html import write_report
 
     result = make_study(f"sqlite:///{tmp_path / 'r.db'}", n_trials=16)
     path = write_report(result, tmp_path / "report.html")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from autotune.device import DeviceInfo
+from autotune.records import DeviceInfo
 from autotune.errors import SearchSpaceError, UsageError
 from autotune.space import builtin_space_names, load_space, parse_space
 

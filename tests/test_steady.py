@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-from autotune.steady import StopRule, ci95_rel, steps_until_stop, t975
+from autotune.probe.steady import StopRule, ci95_rel, steps_until_stop, t975
 
 
 def test_ci95_rel_by_hand() -> None:

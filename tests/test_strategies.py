@@ -8,16 +8,17 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from autotune.driver import SearchSettings, params_key, run_search
+from autotune.search.loop import SearchSettings, run_search
 from autotune.errors import UsageError
-from autotune.memory import MemoryModel
+from autotune.search.memory import MemoryModel
 from autotune.params import TrialParams, baseline_params
 from autotune.records import ProbeResult
-from autotune.replay import ReplayEvaluator, load_table, replay_search
+from autotune.search.replay import ReplayEvaluator, load_table, replay_search
 from autotune.results import trials_frame
 from autotune.space import parse_space
-from autotune.strategies import STRATEGIES, SearchState, Strategy, make_strategy
-from autotune.strategies.frontier import FrontierStrategy
+from autotune.search.strategies.base import SearchState, Strategy
+from autotune.search.strategies.registry import STRATEGIES, make_strategy
+from autotune.search.strategies.frontier import FrontierStrategy
 from tests.conftest import GiB, FakeEvaluator
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -47,7 +48,7 @@ class TestEveryStrategy:
         study = optuna.create_study(direction="maximize")
         settings = SearchSettings(memory_ceiling_bytes=40 * GiB, budget_s=1800, min_probe_s=1)
         run_search(study, table.space(), evaluator, settings, baseline=baseline_params(), clock=evaluator.clock, strategy=make_strategy(name))
-        assert len({params_key(p) for p in calls}) == len(calls)
+        assert len({p.key() for p in calls}) == len(calls)
 
 
 def test_unknown_strategy_names_the_known_ones() -> None:

@@ -1,4 +1,4 @@
-"""The search driver against a fake evaluator: exact expectations, in milliseconds."""
+"""The search loop against a fake evaluator: exact expectations, in milliseconds."""
 
 from __future__ import annotations
 
@@ -8,18 +8,10 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from autotune.driver import (
-    ATTR_DUPLICATE_OF,
-    ATTR_OWNER,
-    ATTR_REASON,
-    ATTR_REMEASURE_OF,
-    SearchSettings,
-    VirtualClock,
-    feasible_configurations,
-    make_sampler,
-    noise_band,
-    run_search,
-)
+from autotune.search.loop import SearchSettings, VirtualClock, ranked_configurations, run_search
+from autotune.search.ranking import noise_band
+from autotune.search.strategies.baselines import tpe_sampler as make_sampler
+from autotune.studies import ATTR_DUPLICATE_OF, ATTR_OWNER, ATTR_REASON, ATTR_REMEASURE_OF, ATTR_REUSABLE
 from autotune.params import TrialParams, baseline_params
 from autotune.records import ProbeResult
 from autotune.results import TuneResult, trials_frame
@@ -89,7 +81,7 @@ def test_probe_deadline_never_passes_the_budget(fake_gpu) -> None:
     assert fake2.clock.now() == 60.0  # cut at the budget, not at the 600 s per-probe timeout
     assert study2.trials[0].state == TrialState.FAIL
     assert "budget ended" in study2.trials[0].user_attrs[ATTR_REASON]
-    assert study2.trials[0].user_attrs["reusable"] is False
+    assert study2.trials[0].user_attrs[ATTR_REUSABLE] is False
 
 
 def test_small_space_is_exhausted_without_repeating_a_probe(fake_gpu) -> None:
@@ -321,7 +313,7 @@ def test_a_configuration_fits_only_if_every_probe_fits(fake_gpu) -> None:
     result = TuneResult("t", "memory", trials_frame(study, 40 * GiB), settings={"memory_ceiling_bytes": 40 * GiB})
     assert list(result.ranked()["per_device_train_batch_size"]) == [64, 8]
     assert result.best_params["per_device_train_batch_size"] == 64
-    assert feasible_configurations(study, 40 * GiB)[0].params.per_device_train_batch_size == 64
+    assert ranked_configurations(study, 40 * GiB)[0].params.per_device_train_batch_size == 64
 
 
 @pytest.mark.parametrize("where", ["probe", "on_start"])

@@ -2,7 +2,7 @@
 
 :class:`ProbeEvaluator` runs a real probe training in a fresh child process. Tests and
 benchmarks plug in other evaluators (a fake with an OOM threshold, a replay table) through the
-same one-method interface, :class:`autotune.driver.Evaluator`.
+same one-method interface, :class:`autotune.search.loop.Evaluator`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from autotune.isolation import DEFAULT_MODE, IsolationMode, run_isolated
+from autotune.probe.isolation import DEFAULT_MODE, IsolationMode, run_isolated
 from autotune.params import TrialParams
 from autotune.records import ProbeResult, ProbeSpec
 

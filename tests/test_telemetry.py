@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from autotune.device import NvmlSampler, nvml_index, summarise_telemetry
+from autotune.probe.telemetry import NvmlSampler, nvml_index, summarise_telemetry
 
 
 def _fake_pynvml(reads: list[str]) -> types.ModuleType:

@@ -1,7 +1,7 @@
 """The report's data model: :func:`build_report_model` turns a :class:`TuneResult` into a :class:`ReportModel`.
 
-Every number of the HTML report is computed and formatted here; :mod:`autotune.report` only lays
-the model out as HTML and plotly charts. Optional measurements (MFU, GPU utilisation, energy, the
+Every number of the HTML report is computed and formatted here (the charts' data in
+:mod:`autotune.report.charts`); :mod:`autotune.report.html` only lays the model out. Optional measurements (MFU, GPU utilisation, energy, the
 memory model's prediction, ...) are declared once in :data:`TABLE_COLUMNS`; a column missing from
 the trials frame, or holding no value in any trial, is left out rather than shown empty, so a new
 column in :data:`autotune.results.RESULT_COLUMNS` appears in the report by adding one line here.
@@ -10,37 +10,42 @@ column in :data:`autotune.results.RESULT_COLUMNS` appears in the report by addin
 from __future__ import annotations
 
 import json
-import math
+import shlex
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import pandas as pd
 
-from autotune.params import PARAM_NAMES, TrialParams
-from autotune.results import TuneResult, nothing_fits_message
+from autotune.params import PARAM_NAMES
+from autotune.records import ProbeStatus
+from autotune.report.charts import (
+    Chart,
+    chart_history,
+    chart_importance,
+    chart_memory_vs_batch,
+    chart_pareto,
+    chart_throughput_vs_batch,
+)
+from autotune.report.formatting import Kind, format_count, format_value, is_missing, sort_key
+from autotune.results import TuneResult, nothing_fits_message, short_config
+from autotune.space import SearchSpace
+from autotune.studies import DEFAULT_STORAGE
 from autotune.units import format_bytes, format_duration
-
-GiB = 2**30
 
 # A trial's outcome in the report: the probe's status, except that a finished probe over the
 # memory ceiling is "over_ceiling" (it ran, but does not fit). Listed in display order.
+OVER_CEILING = "over_ceiling"
+FAIL = "fail"  # a trial that ended without a probe outcome (interrupted, its run died)
+RUNNING = "running"
 OUTCOMES: tuple[str, ...] = (
-    "ok", "over_ceiling", "oom", "pruned", "timeout", "crash", "diverged", "fail", "running",
+    ProbeStatus.OK.value, OVER_CEILING, ProbeStatus.OOM.value, ProbeStatus.PRUNED.value, ProbeStatus.TIMEOUT.value,
+    ProbeStatus.CRASH.value, ProbeStatus.DIVERGED.value, FAIL, RUNNING,
 )
-OUTCOME_LABELS = {
-    "ok": "fits",
-    "over_ceiling": "over the ceiling",
-    "oom": "out of memory",
-    "pruned": "pruned (not run)",
-    "timeout": "timed out",
-    "crash": "crashed",
-    "diverged": "diverged",
-    "fail": "failed",
-    "running": "running",
-}
-WENT_WRONG = tuple(o for o in OUTCOMES if o not in ("ok", "running"))
+OUTCOME_LABELS = dict(zip(OUTCOMES, (
+    "fits", "over the ceiling", "out of memory", "pruned (not run)", "timed out", "crashed", "diverged", "failed", "running",
+)))
+WENT_WRONG = tuple(o for o in OUTCOMES if o not in (ProbeStatus.OK.value, RUNNING))
 
-Kind = Literal["int", "text", "bool", "rate", "bytes", "percent", "fraction", "tflops", "joules", "watts", "seconds", "ratio"]
 
 
 @dataclass(frozen=True)
@@ -80,74 +85,7 @@ TABLE_COLUMNS: tuple[Column, ...] = (
     Column("flags", "flags", "text"),
 )
 # Boolean/number columns that become words in the "flags" column when true.
-CEILING_DRAW_FACTOR = 4.0  # draw the ceiling line when it is at most this many times the highest peak
 FLAG_COLUMNS = (("input_bound", "input-bound"), ("numerics_flag", "numerics drift"))
-
-
-# ---------------------------------------------------------------------------------------- formatting
-
-
-def is_missing(value: Any) -> bool:
-    """None, NaN and pandas' NA/NaT all read as "not measured"."""
-    if value is None:
-        return True
-    try:
-        return bool(pd.isna(value))
-    except (TypeError, ValueError):
-        return False
-
-
-def format_value(kind: Kind, value: Any) -> str:
-    """A cell's text, with its unit; "-" when not measured."""
-    if is_missing(value):
-        return "-"
-    if kind == "int":
-        return f"{int(value):,}"
-    if kind == "bool":
-        return "yes" if bool(value) else "no"
-    if kind == "rate":
-        return f"{float(value):,.1f}" if float(value) < 1_000 else f"{float(value):,.0f}"
-    if kind == "bytes":
-        return format_bytes(float(value))
-    if kind == "percent":
-        return f"{float(value):.0f}%"
-    if kind == "fraction":
-        return f"{100 * float(value):.1f}%"
-    if kind == "tflops":
-        return f"{float(value):,.1f} TFLOP/s"
-    if kind == "joules":
-        return f"{float(value):.3g} J"
-    if kind == "watts":
-        return f"{float(value):,.0f} W"
-    if kind == "seconds":
-        return f"{1000 * float(value):,.1f} ms" if float(value) < 1 else f"{float(value):,.2f} s"
-    if kind == "ratio":
-        return f"{float(value):.2f}x"
-    return str(value)
-
-
-def format_count(n: int | float | None) -> str:
-    """``1_414_000_000`` -> ``'1.41 B'``; ``7_300_000`` -> ``'7.30 M'``."""
-    if is_missing(n):
-        return "-"
-    n = float(n)  # type: ignore[arg-type]
-    for div, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
-        if abs(n) >= div:
-            return f"{n / div:.2f} {unit}"
-    return f"{n:.0f}"
-
-
-def _sort_key(kind: Kind, value: Any) -> float | str | None:
-    if is_missing(value):
-        return None
-    if kind in ("text",):
-        return str(value)
-    if kind == "bool":
-        return float(bool(value))
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return str(value)
 
 
 # ---------------------------------------------------------------------------------------- the model
@@ -166,36 +104,6 @@ class TableRow:
     cells: tuple[Cell, ...]
     is_best: bool = False
     is_baseline: bool = False
-
-
-@dataclass(frozen=True)
-class Series:
-    """One trace of a chart, in the chart's own units."""
-
-    name: str
-    x: tuple[Any, ...]
-    y: tuple[Any, ...]
-    text: tuple[str, ...] = ()
-    style: Literal["markers", "lines", "lines+markers", "bar", "step"] = "markers"
-    emphasis: bool = False  # drawn on top, larger (the best, the Pareto front)
-    symbol: str = "circle"
-    group: str = ""  # series of one group share a colour (the precision, in every chart)
-
-
-@dataclass(frozen=True)
-class Chart:
-    """A chart's data; ``empty_reason`` says why there is nothing to draw (then ``series`` is empty)."""
-
-    key: str
-    title: str
-    x_title: str
-    y_title: str
-    series: tuple[Series, ...] = ()
-    x_log2: bool = False
-    horizontal_lines: tuple[tuple[float, str], ...] = ()  # (y, label), e.g. the memory ceiling
-    vertical_lines: tuple[tuple[float, str], ...] = ()  # (x, label)
-    note: str = ""
-    empty_reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -253,50 +161,44 @@ class ReportModel:
 def outcome_of(row: pd.Series) -> str:
     """The report outcome of one trials-frame row (see :data:`OUTCOMES`)."""
     status = str(row.get("status"))
-    if status == "ok":
-        return "ok" if bool(row.get("feasible")) else "over_ceiling"
-    return status if status in OUTCOMES else "fail"
-
-
-def short_config(row: Any) -> str:
-    """``bs8x1 fp32 adamw_torch_fused sdpa`` for a frame row, an ``itertuples`` row or a dict."""
-    if hasattr(row, "_asdict"):
-        row = row._asdict()
-    values = {name: _py(row.get(name)) for name in PARAM_NAMES}
-    values = {k: v for k, v in values.items() if v is not None}
-    try:
-        return TrialParams.from_dict(values).short()
-    except (TypeError, ValueError):
-        return "-"
-
-
-def _py(value: Any) -> Any:
-    if is_missing(value):
-        return None
-    return value.item() if hasattr(value, "item") else value
+    if status == ProbeStatus.OK.value:
+        return status if bool(row.get("feasible")) else OVER_CEILING
+    return status if status in OUTCOMES else FAIL
 
 
 def ordered_trials(result: TuneResult) -> pd.DataFrame:
-    """All trials, ranked: fitting ones fastest first, then over the ceiling, then the rest by trial number.
+    """All trials in the order of the ranking: the probes of configurations that fit, best configuration
+    first (:meth:`TuneResult.ranked`, the rule the terminal and the search use), then the other
+    finished probes fastest first (over the ceiling), then the rest by trial number.
 
-    Enqueued trials that never started are left out. Adds the computed columns ``outcome``, ``rank`` (fitting trials only) and ``vs_baseline``.
+    Enqueued trials that never started are left out. Adds the computed columns ``outcome``,
+    ``rank`` (the configuration's rank, shared by its probes) and ``vs_baseline`` (the
+    configuration's mean samples/s over the baseline configuration's).
     """
     frame = result.trials
     frame = frame[frame["state"] != "waiting"].copy()  # enqueued but never started: not a trial yet
     if frame.empty:
         return frame.assign(outcome=[], rank=[], vs_baseline=[])
     frame["outcome"] = [outcome_of(row) for _, row in frame.iterrows()]
-    order = {"ok": 0, "over_ceiling": 1}
-    frame["_group"] = [order.get(o, 2) for o in frame["outcome"]]
-    frame["_speed"] = pd.to_numeric(frame["samples_per_s"], errors="coerce").fillna(-1.0)
-    frame["_speed"] = frame["_speed"].where(frame["_group"] < 2, -1.0)
-    frame = frame.sort_values(["_group", "_speed", "trial"], ascending=[True, False, True], kind="stable")
-    frame = frame.drop(columns=["_group", "_speed"]).reset_index(drop=True)
-    fits = frame["outcome"] == "ok"
-    frame["rank"] = [i + 1 if f else None for i, f in enumerate(fits)]
+    rank_of: dict[int, int] = {}
+    mean_of: dict[int, float] = {}
+    for position, row in enumerate(result.ranked().to_dict("records")):
+        for trial in row["probe_trials"]:
+            rank_of[int(trial)], mean_of[int(trial)] = position + 1, float(row["samples_per_s"])
+    trials = [int(t) for t in frame["trial"]]
+    speeds = pd.to_numeric(frame["samples_per_s"], errors="coerce")
+    frame["rank"] = [rank_of.get(t) for t in trials]
+    finished = frame["outcome"].isin([ProbeStatus.OK.value, OVER_CEILING])
+    frame["_group"] = [0 if t in rank_of else (1 if f else 2) for t, f in zip(trials, finished)]
+    frame["_key"] = [float(rank_of[t]) if t in rank_of else (-s if f and not is_missing(s) else 0.0)
+                     for t, s, f in zip(trials, speeds, finished)]
+    frame = frame.sort_values(["_group", "_key", "trial"], kind="stable")
+    frame = frame.drop(columns=["_group", "_key"]).reset_index(drop=True)
     base = _baseline_speed(result)
     speeds = pd.to_numeric(frame["samples_per_s"], errors="coerce")
-    frame["vs_baseline"] = [s / base if base and not is_missing(s) else None for s in speeds]
+    frame["vs_baseline"] = [
+        mean_of.get(int(t), s) / base if base and not is_missing(s) else None for t, s in zip(frame["trial"], speeds)
+    ]
     return frame
 
 
@@ -324,9 +226,12 @@ def default_settings_trials(result: TuneResult) -> pd.DataFrame:
 
 
 def largest_default_batch(result: TuneResult) -> tuple[pd.Series | None, str]:
-    """The fitting default-settings trial with the largest batch, and a note on how sure that is."""
+    """The configuration at default settings with the largest batch that fits (a row of
+    :meth:`TuneResult.ranked`, so its samples/s is its mean, as the best's is), and a note on how
+    sure that is."""
     frame = default_settings_trials(result)
-    fits = frame[frame["feasible"]]
+    ranked = result.ranked()
+    fits = ranked[ranked["trial"].isin(frame["trial"])] if not ranked.empty else ranked
     if fits.empty:
         return None, "no trial at default settings fit"
     best = fits.sort_values(["per_device_train_batch_size", "samples_per_s"], ascending=False).iloc[0]
@@ -340,57 +245,6 @@ def largest_default_batch(result: TuneResult) -> tuple[pd.Series | None, str]:
     return best, note
 
 
-def pareto_front(points: list[tuple[float, float, int]]) -> list[tuple[float, float, int]]:
-    """Points ``(memory, speed, trial)`` that no other point beats on both (less memory, more speed).
-
-    Returned by increasing memory (so by increasing speed too).
-    """
-    front: list[tuple[float, float, int]] = []
-    for memory, speed, trial in sorted(points, key=lambda p: (p[0], -p[1])):
-        if not front or speed > front[-1][1]:
-            front.append((memory, speed, trial))
-    return front
-
-
-def param_importance(frame: pd.DataFrame) -> dict[str, float]:
-    """How much of the spread of log(samples/s) each parameter explains, summing to 1.
-
-    A one-way analysis of variance per parameter (the correlation ratio eta^2 of log throughput
-    grouped by that parameter's value), normalised over parameters. It needs no model fit, so
-    it is stable with few trials; unlike Optuna's fANOVA it ignores interactions. Parameters that
-    took a single value among the measured trials are left out.
-    """
-    ok = frame[(frame["status"] == "ok") & frame["samples_per_s"].notna()]
-    if len(ok) < 3:
-        return {}
-    y = ok["samples_per_s"].astype(float).map(lambda v: math.log(max(v, 1e-12)))
-    total = float(((y - y.mean()) ** 2).sum())
-    if total <= 0:
-        return {}
-    raw: dict[str, float] = {}
-    for name in PARAM_NAMES:
-        groups = ok[name].astype(str)
-        if groups.nunique() < 2:
-            continue
-        means = y.groupby(groups).transform("mean")
-        share = float(((means - y.mean()) ** 2).sum()) / total
-        if share > 1e-9:  # below that it is rounding noise of a parameter that explains nothing
-            raw[name] = share
-    norm = sum(raw.values())
-    if norm <= 0:
-        return {}
-    return dict(sorted(((k, v / norm) for k, v in raw.items()), key=lambda kv: -kv[1]))
-
-
-def _minutes_since_start(frame: pd.DataFrame) -> list[float | None]:
-    starts = pd.to_datetime(frame["started_at"], errors="coerce")
-    ends = pd.to_datetime(frame["finished_at"], errors="coerce")
-    origin = starts.min()
-    if is_missing(origin):
-        return [None] * len(frame)
-    return [None if is_missing(e) else (e - origin).total_seconds() / 60.0 for e in ends]
-
-
 def time_used(frame: pd.DataFrame) -> tuple[float | None, float | None]:
     """(seconds from the first probe's start to the last one's end, seconds spent inside probes)."""
     if frame.empty:
@@ -401,137 +255,6 @@ def time_used(frame: pd.DataFrame) -> tuple[float | None, float | None]:
     walls = pd.to_numeric(frame["wall_s"], errors="coerce")
     probes = float(walls.sum()) if walls.notna().any() else None
     return span, probes
-
-
-# ---------------------------------------------------------------------------------------- charts
-
-
-def _ok_rows(frame: pd.DataFrame) -> pd.DataFrame:
-    return frame[(frame["status"] == "ok") & frame["samples_per_s"].notna()]
-
-
-def chart_throughput_vs_batch(frame: pd.DataFrame) -> Chart:
-    ok = _ok_rows(frame)
-    base = dict(key="throughput_vs_batch", title="Samples/s vs batch size, per precision", x_title="per-device batch size",
-                y_title="samples/s", x_log2=True)
-    if ok.empty:
-        return Chart(**base, empty_reason="no probe finished, so there is no throughput to plot")
-    series: list[Series] = []
-    for precision, group in ok.groupby("precision", sort=True):
-        group = group.sort_values("per_device_train_batch_size")
-        series.append(Series(
-            name=f"{precision}: every trial", x=tuple(int(b) for b in group["per_device_train_batch_size"]),
-            y=tuple(float(v) for v in group["samples_per_s"]),
-            text=tuple(f"trial {int(r.trial)}: {short_config(r)}" for r in group.itertuples()), group=str(precision),
-        ))
-        best = group.groupby("per_device_train_batch_size")["samples_per_s"].max()
-        series.append(Series(name=f"{precision}: best per batch", x=tuple(int(b) for b in best.index),
-                             y=tuple(float(v) for v in best.values), style="lines", group=str(precision)))
-    return Chart(**base, series=tuple(series), note="lines join the fastest configuration at each batch size")
-
-
-def chart_memory_vs_batch(frame: pd.DataFrame, ceiling_bytes: int | None) -> Chart:
-    base = dict(key="memory_vs_batch", title="Peak memory vs batch size", x_title="per-device batch size",
-                y_title="peak memory (GiB)", x_log2=True)
-    measured = frame[frame["peak_mem_bytes"].notna()].sort_values("per_device_train_batch_size")
-    series: list[Series] = []
-    for precision, group in measured.groupby("precision", sort=True):
-        series.append(Series(
-            name=f"measured, {precision}", x=tuple(int(b) for b in group["per_device_train_batch_size"]),
-            y=tuple(float(v) / GiB for v in group["peak_mem_bytes"]),
-            text=tuple(f"trial {int(r.trial)}: {short_config(r)}" for r in group.itertuples()), group=str(precision),
-        ))
-    if "predicted_peak_mem_bytes" in frame.columns:
-        predicted = frame[frame["predicted_peak_mem_bytes"].notna()].sort_values("per_device_train_batch_size")
-        for precision, group in predicted.groupby("precision", sort=True):
-            series.append(Series(
-                name=f"predicted, {precision}", x=tuple(int(b) for b in group["per_device_train_batch_size"]),
-                y=tuple(float(v) / GiB for v in group["predicted_peak_mem_bytes"]),
-                text=tuple(f"trial {int(r.trial)}: {short_config(r)}" for r in group.itertuples()),
-                style="lines+markers", symbol="diamond-open", group=str(precision),
-            ))
-    oom = frame[frame["status"] == "oom"]
-    if not oom.empty and ceiling_bytes:
-        series.append(Series(
-            name="out of memory (drawn at the ceiling)", x=tuple(int(b) for b in oom["per_device_train_batch_size"]),
-            y=tuple(ceiling_bytes / GiB for _ in range(len(oom))),
-            text=tuple(f"trial {int(r.trial)}: {short_config(r)}" for r in oom.itertuples()), symbol="x", group="oom",
-        ))
-    if not series:
-        return Chart(**base, empty_reason="no probe measured its peak memory")
-    notes = [] if "predicted_peak_mem_bytes" in frame.columns else ["no memory-model prediction stored in this study"]
-    lines: tuple[tuple[float, str], ...] = ()
-    highest = max((max(s.y) for s in series if s.y), default=0.0)
-    if ceiling_bytes and ceiling_bytes / GiB <= CEILING_DRAW_FACTOR * highest:
-        lines = ((ceiling_bytes / GiB, "memory ceiling"),)
-    elif ceiling_bytes:  # drawn to scale it would flatten every point into the x axis
-        notes.append(f"the memory ceiling ({format_bytes(ceiling_bytes)}) is far above every trial, so it is not drawn")
-    return Chart(**base, series=tuple(series), horizontal_lines=lines, note="; ".join(notes))
-
-
-def chart_history(frame: pd.DataFrame) -> Chart:
-    base = dict(key="history", title="Optimisation history", x_title="minutes since the first probe started",
-                y_title="samples/s")
-    minutes = _minutes_since_start(frame)
-    timed = frame.assign(at_minutes=minutes)
-    timed = timed[timed["at_minutes"].notna()].sort_values("at_minutes")
-    ok = timed[(timed["status"] == "ok") & timed["samples_per_s"].notna()]
-    if ok.empty:
-        return Chart(**base, empty_reason="no probe finished yet")
-    best_x, best_y, best_so_far = [], [], None
-    for r in timed.itertuples():
-        if bool(r.feasible) and not is_missing(r.samples_per_s):
-            best_so_far = max(best_so_far or 0.0, float(r.samples_per_s))
-        if best_so_far is not None:
-            best_x.append(round(float(r.at_minutes), 3))
-            best_y.append(best_so_far)
-    series = [Series(
-        name="each trial", x=tuple(round(float(m), 3) for m in ok["at_minutes"]), y=tuple(float(v) for v in ok["samples_per_s"]),
-        text=tuple(f"trial {int(r.trial)}: {short_config(r)}" for r in ok.itertuples()),
-    )]
-    if best_x:
-        series.append(Series(name="best that fits, so far", x=tuple(best_x), y=tuple(best_y), style="step", emphasis=True))
-    return Chart(**base, series=tuple(series))
-
-
-def chart_importance(frame: pd.DataFrame) -> Chart:
-    base = dict(key="importance", title="Parameter importance", x_title="share of the spread of log samples/s",
-                y_title="")
-    importance = param_importance(frame)
-    if not importance:
-        return Chart(**base, empty_reason="needs at least 3 finished probes that differ in some parameter")
-    names = list(reversed(importance))
-    return Chart(**base, series=(Series(name="importance", x=tuple(round(importance[n], 4) for n in names),
-                                        y=tuple(names), style="bar"),),
-                 note="one-way analysis of variance of log samples/s per parameter (interactions ignored)")
-
-
-def chart_pareto(frame: pd.DataFrame, ceiling_bytes: int | None) -> Chart:
-    base = dict(key="pareto", title="Throughput vs peak memory", x_title="peak memory (GiB)", y_title="samples/s")
-    ok = _ok_rows(frame)
-    ok = ok[ok["peak_mem_bytes"].notna()]
-    if ok.empty:
-        return Chart(**base, empty_reason="no probe finished with a measured peak memory")
-    points = [(float(r.peak_mem_bytes) / GiB, float(r.samples_per_s), int(r.trial)) for r in ok.itertuples()]
-    # The front is the trade-off the user can choose from: configurations over the ceiling are shown
-    # as points, but none of them can be on it.
-    fitting = [p for p in points if not ceiling_bytes or p[0] * GiB <= ceiling_bytes]
-    front = pareto_front(fitting)
-    by_trial = {int(r.trial): r for r in ok.itertuples()}
-    series = (
-        Series(name="every finished trial", x=tuple(p[0] for p in points), y=tuple(p[1] for p in points),
-               text=tuple(f"trial {p[2]}: {short_config(by_trial[p[2]])}" for p in points)),
-        Series(name="Pareto front (under the ceiling)", x=tuple(p[0] for p in front), y=tuple(p[1] for p in front),
-               text=tuple(f"trial {p[2]}: {short_config(by_trial[p[2]])}" for p in front),
-               style="lines+markers", emphasis=True),
-    )
-    lines: tuple[tuple[float, str], ...] = ()
-    note = ""
-    if ceiling_bytes and ceiling_bytes / GiB <= CEILING_DRAW_FACTOR * max(p[0] for p in points):
-        lines = ((ceiling_bytes / GiB, "memory ceiling"),)
-    elif ceiling_bytes:
-        note = f"the memory ceiling ({format_bytes(ceiling_bytes)}) is far to the right of every trial, so it is not drawn"
-    return Chart(**base, series=series, vertical_lines=lines, note=note)
 
 
 # ---------------------------------------------------------------------------------------- code
@@ -611,7 +334,7 @@ def _table(frame: pd.DataFrame, best_trial: int | None) -> tuple[tuple[Column, .
                 cells.append(Cell(OUTCOME_LABELS.get(row["outcome"], str(row["outcome"])), OUTCOMES.index(row["outcome"]) if row["outcome"] in OUTCOMES else 99))
             else:
                 value = row.get(column.key)
-                cells.append(Cell(format_value(column.kind, value), _sort_key(column.kind, value)))
+                cells.append(Cell(format_value(column.kind, value), sort_key(column.kind, value)))
         rows.append(TableRow(trial=int(row["trial"]), outcome=str(row["outcome"]), cells=tuple(cells),
                              is_best=best_trial is not None and int(row["trial"]) == best_trial, is_baseline=bool(row.get("is_baseline"))))
     return columns, tuple(rows)
@@ -623,12 +346,12 @@ def _problems(frame: pd.DataFrame) -> tuple[Problem, ...]:
         if row["outcome"] not in WENT_WRONG:
             continue
         reason = str(row.get("reason") or "").strip()
-        if row["outcome"] == "over_ceiling" and not is_missing(row.get("peak_mem_bytes")):
+        if row["outcome"] == OVER_CEILING and not is_missing(row.get("peak_mem_bytes")):
             reason = f"peak memory {format_bytes(row['peak_mem_bytes'])} is over the memory ceiling"
         first = next((line for line in reason.splitlines() if line.strip()), "no reason recorded")
-        if row["outcome"] == "crash":  # the last line of a stderr tail is the exception
+        if row["outcome"] == ProbeStatus.CRASH.value:  # the last line of a stderr tail is the exception
             first = next((line for line in reversed(reason.splitlines()) if line.strip()), first)
-        detail = reason[-1500:] if (row["outcome"] == "crash" or reason.count("\n") > 0) else ""
+        detail = reason[-1500:] if (row["outcome"] == ProbeStatus.CRASH.value or reason.count("\n") > 0) else ""
         problems.append(Problem(trial=int(row["trial"]), outcome=str(row["outcome"]), config=short_config(row),
                                 reason=first[:300], detail=detail))
     return tuple(problems)
@@ -659,12 +382,9 @@ def _summary(result: TuneResult, frame: pd.DataFrame, counts: dict[str, int]) ->
     items.append(("Memory ceiling", format_bytes(s.get("memory_ceiling_bytes"))))
     if s.get("effective_batch_size"):
         items.append(("Effective batch size", f"fixed at {s['effective_batch_size']}"))
-    space = s.get("space") or {}
-    if space.get("name"):
-        size = 1
-        for values in (space.get("choices") or {}).values():
-            size *= max(1, len(values))
-        items.append(("Search space", f"{space['name']} ({size:,} configurations before pruning)"))
+    if (s.get("space") or {}).get("name"):
+        space = SearchSpace.from_dict(s["space"])  # its size counts as the run's did (accumulation derived or not)
+        items.append(("Search space", f"{space.name} ({space.size:,} configurations before pruning)"))
     span, probes = time_used(result.trials)
     if span is not None:
         used = f"{format_duration(span)} from the first probe's start to the last one's end"
@@ -696,10 +416,6 @@ def _best_metrics(best: pd.Series | None) -> tuple[tuple[str, str], ...]:
 
 
 def _regenerate_command(result: TuneResult) -> str:
-    import shlex
-
-    from autotune.api import DEFAULT_STORAGE
-
     words = ["autotune", "report", result.study_name]
     if result.storage != DEFAULT_STORAGE:
         words += ["--storage", result.storage]

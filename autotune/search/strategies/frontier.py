@@ -9,7 +9,7 @@ has to use what is known about training throughput rather than learn it from scr
    fits, the expert with checkpointing and the smallest optimizer state, at the smallest batch.
 2. **Frontier**: throughput rises with batch size until memory runs out, so every configuration
    tried in a memory group (precision, optimizer, compile, attention, checkpointing) is tried at
-   that group's predicted largest fitting batch (:meth:`~autotune.memory.MemoryModel.largest_batch_that_fits`).
+   that group's predicted largest fitting batch (:meth:`~autotune.search.memory.MemoryModel.largest_batch_that_fits`).
    A wrong prediction costs one probe and is corrected by the measurement.
 3. **Sweeps**: one dimension at a time from the incumbent (the fastest configuration under the
    ceiling), memory-relevant dimensions first because they move the frontier: batch size (the
@@ -36,9 +36,10 @@ from typing import Any
 
 import optuna
 
-from autotune.memory import GROUP_KEYS
 from autotune.params import TrialParams
-from autotune.strategies.base import SearchState, Strategy
+from autotune.search.memory import GROUP_KEYS
+from autotune.search.strategies.base import SearchState, Strategy
+from autotune.search.strategies.baselines import tpe_sampler
 
 # Most likely fastest first; values not in the space are skipped.
 _PREFERRED: dict[str, tuple[Any, ...]] = {
@@ -86,9 +87,7 @@ class FrontierStrategy(Strategy):
         self._tries: Counter[tuple[Any, ...]] = Counter()
 
     def sampler(self, seed: int) -> optuna.samplers.BaseSampler:
-        from autotune.driver import make_sampler
-
-        return make_sampler(seed)
+        return tpe_sampler(seed)
 
     def prune(self, params: TrialParams, state: SearchState) -> str | None:
         return state.memory.prune_reason(params, state.ceiling_bytes)
@@ -217,9 +216,7 @@ class FrontierStrategy(Strategy):
         return base + (COMPILE_PRIOR_S if compiled else 0.0)
 
     def _runnable(self, params: TrialParams, state: SearchState) -> bool:
-        from autotune.driver import params_key
-
-        if params_key(params) in state.seen or not state.space.contains(params):
+        if params.key() in state.seen or not state.space.contains(params):
             return False
         if self._tries[_move_key(params)] >= MAX_TRIES_PER_MOVE:
             return False
@@ -253,10 +250,8 @@ def _group_key(params: TrialParams) -> tuple[Any, ...]:
 
 
 def _speed(state: SearchState, params: TrialParams) -> float:
-    from autotune.driver import params_key
-
-    key = params_key(params)
-    return max((o.result.samples_per_s or 0.0 for o in state.history if params_key(o.params) == key), default=0.0)
+    key = params.key()
+    return max((o.result.samples_per_s or 0.0 for o in state.history if o.params.key() == key), default=0.0)
 
 
 def _move_key(params: TrialParams) -> tuple[Any, ...]:
@@ -277,7 +272,4 @@ def _batch_sizes(state: SearchState) -> tuple[int, ...]:
 
 
 def _with(state: SearchState, params: TrialParams, **changes: Any) -> TrialParams:
-    values = {**params.to_dict(), **changes}
-    if state.space.effective_batch_size:
-        values["gradient_accumulation_steps"] = state.space.effective_batch_size // values["per_device_train_batch_size"]
-    return TrialParams.from_dict(values)
+    return state.space.with_changes(params, **changes)

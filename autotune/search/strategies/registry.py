@@ -1,23 +1,16 @@
-"""Search strategies, one class each (see :mod:`autotune.strategies.base` for the interface).
-
-``frontier`` (the default) uses the structure of the problem: memory model, batch-size frontier,
-coordinate sweeps, compile last. ``tpe`` and ``random`` are the generic baselines.
-"""
+"""The strategies by name: what ``--strategy`` and ``tune(strategy=...)`` accept."""
 
 from __future__ import annotations
 
 import difflib
 
 from autotune.errors import UsageError
-from autotune.strategies.base import Observation, SearchState, Strategy
-from autotune.strategies.baselines import RandomStrategy, TPEStrategy
-from autotune.strategies.frontier import FrontierStrategy
+from autotune.search.strategies.base import Strategy
+from autotune.search.strategies.baselines import RandomStrategy, TPEStrategy
+from autotune.search.strategies.frontier import FrontierStrategy
 
 STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (FrontierStrategy, TPEStrategy, RandomStrategy)}
 DEFAULT_STRATEGY = FrontierStrategy.name
-
-__all__ = ["DEFAULT_STRATEGY", "STRATEGIES", "Observation", "SearchState", "Strategy", "make_strategy"]
-
 
 def make_strategy(name: str) -> Strategy:
     """A fresh strategy by name.

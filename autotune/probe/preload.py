@@ -22,9 +22,10 @@ import transformers  # noqa: E402,F401
 from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments  # noqa: E402,F401
 
 import autotune.data  # noqa: E402,F401
-import autotune.device  # noqa: E402,F401
 import autotune.models  # noqa: E402,F401
-import autotune.probe  # noqa: E402,F401
+import autotune.probe.child  # noqa: E402,F401
+import autotune.probe.device  # noqa: E402,F401
+import autotune.probe.telemetry  # noqa: E402,F401
 
 # The architectures of the built-in models (transformers imports each lazily on first use).
 for _module in ("gpt_neox", "llama", "gpt2"):

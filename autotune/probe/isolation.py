@@ -8,10 +8,10 @@ group (DataLoader workers, compile workers) is killed.
 Two ways to start the child (:data:`IsolationMode`):
 
 * ``forkserver`` (default): a probe server started once per parent process imports torch,
-  transformers and autotune (:mod:`autotune.preload`) and then forks one child per probe. The
+  transformers and autotune (:mod:`autotune.probe.preload`) and then forks one child per probe. The
   server is a fresh interpreter that never initialised CUDA, so each forked child is as clean as a
   cold one, without paying ~seconds of imports per trial.
-* ``cold``: ``python -m autotune.probe SPEC.json RESULT.json``, a new interpreter per probe.
+* ``cold``: ``python -m autotune.probe.child SPEC.json RESULT.json``, a new interpreter per probe.
 
 Either way the child gets its own session (``setsid``), writes its stdout/stderr to a file (the
 tail is the error of a crash), and writes a :class:`ProbeResult` as JSON; the parent adds
@@ -39,7 +39,7 @@ from autotune.records import ProbeResult, ProbeSpec
 
 IsolationMode = Literal["forkserver", "cold"]
 DEFAULT_MODE: IsolationMode = "forkserver"
-PRELOAD_MODULES = ["autotune.preload"]
+PRELOAD_MODULES = ["autotune.probe.preload"]
 
 _STDERR_TAIL_CHARS = 2000
 
@@ -66,7 +66,7 @@ class _ColdChild:
     def __init__(self, spec_path: Path, result_path: Path, log_path: Path, env: dict[str, str], python: str) -> None:
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [python, "-m", "autotune.probe", str(spec_path), str(result_path)],
+                [python, "-m", "autotune.probe.child", str(spec_path), str(result_path)],
                 stdout=log,
                 stderr=log,
                 stdin=subprocess.DEVNULL,
@@ -100,7 +100,7 @@ def _forked_main(spec_path: str, result_path: str, log_path: str, env: dict[str,
 
     if getattr(torch.cuda, "_is_in_bad_fork", lambda: False)():
         raise RuntimeError("the probe server initialised CUDA before forking: use mode='cold' and report this")
-    from autotune.probe import main
+    from autotune.probe.child import main
 
     main([spec_path, result_path])
 

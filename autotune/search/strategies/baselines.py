@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import optuna
 
-from autotune.strategies.base import Strategy
+from autotune.search.strategies.base import Strategy
+
+
+def tpe_sampler(seed: int) -> optuna.samplers.BaseSampler:
+    """Multivariate TPE with the memory constraint (the ``tpe`` strategy; ``frontier`` falls back to it)."""
+    # Constraints come from each trial's `set_constraint` (Optuna >= 5 reads them from the trial).
+    return optuna.samplers.TPESampler(seed=seed, multivariate=True, n_startup_trials=8)
 
 
 class TPEStrategy(Strategy):
@@ -13,9 +19,7 @@ class TPEStrategy(Strategy):
     name = "tpe"
 
     def sampler(self, seed: int) -> optuna.samplers.BaseSampler:
-        from autotune.driver import make_sampler
-
-        return make_sampler(seed)
+        return tpe_sampler(seed)
 
 
 class RandomStrategy(Strategy):

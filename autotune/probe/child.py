@@ -1,9 +1,9 @@
 """The probe: one short, real training run, inside a fresh child process.
 
-Run by :mod:`autotune.isolation` as ``python -m autotune.probe SPEC.json RESULT.json``. It builds
+Run by :mod:`autotune.probe.isolation` as ``python -m autotune.probe.child SPEC.json RESULT.json``. It builds
 the model from its config directly on the device, wraps it in the real ``transformers.Trainer``
 with exactly the candidate ``TrainingArguments``, runs ``warmup_steps`` optimizer steps, then
-measures steps until the mean step time is stable (:mod:`autotune.steady`) or a cap is reached,
+measures steps until the mean step time is stable (:mod:`autotune.probe.steady`) or a cap is reached,
 on synthetic token batches or a real dataset (:mod:`autotune.data`), and writes a
 :class:`~autotune.records.ProbeResult` as JSON.
 
@@ -11,10 +11,10 @@ What is timed is what the user will get: data loading, forward, backward, optimi
 Trainer's own bookkeeping. Every optimizer step ends with the device synchronised, so each step
 time is the device's, not the host's view of queued work. Alongside: time spent waiting for the
 next batch (``get_batch_samples``), NVML telemetry over the measured window
-(:class:`autotune.device.NvmlSampler`), and model FLOPs (:mod:`autotune.flops`). Nothing is saved
+(:class:`autotune.probe.telemetry.NvmlSampler`), and model FLOPs (:mod:`autotune.probe.flops`). Nothing is saved
 or logged to disk inside the probe.
 
-Outcomes are data: an OOM (by type, see :func:`autotune.device.is_out_of_memory`) is ``oom``, a
+Outcomes are data: an OOM (by type, see :func:`autotune.probe.device.is_out_of_memory`) is ``oom``, a
 NaN/inf loss is ``diverged``, any other exception is ``crash`` with its traceback tail.
 """
 
@@ -28,9 +28,9 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from autotune.flops import achieved_tflops, mfu, model_flops_per_token
+from autotune.probe.flops import achieved_tflops, mfu, model_flops_per_token
 from autotune.records import ProbeResult, ProbeSpec
-from autotune.steady import StopRule, ci95_rel
+from autotune.probe.steady import StopRule, ci95_rel
 
 _ERROR_TAIL_CHARS = 2000
 # A trial that waits for its batches more than this share of the measured window is input-bound:
@@ -77,7 +77,8 @@ def _make_callback(spec: ProbeSpec, cuda: bool) -> Any:
     import torch
     from transformers import TrainerCallback
 
-    from autotune.device import NvmlSampler, Telemetry, cpu_peak_rss_bytes, nvml_used_bytes
+    from autotune.probe.device import cpu_peak_rss_bytes
+    from autotune.probe.telemetry import NvmlSampler, Telemetry, nvml_used_bytes
 
     rule = stop_rule(spec)
 
@@ -159,7 +160,7 @@ def _limit_cuda_memory(ceiling_bytes: int) -> None:
     """Make the allocator OOM at the ceiling, counting what is already used outside it (context)."""
     import torch
 
-    from autotune.device import nvml_used_bytes
+    from autotune.probe.telemetry import nvml_used_bytes
 
     torch.zeros(1, device="cuda")  # create the context so NVML sees its footprint
     total = torch.cuda.get_device_properties(0).total_memory
@@ -261,7 +262,7 @@ def run_probe(spec: ProbeSpec) -> ProbeResult:
             trainer.remove_callback(PrinterCallback)  # no printing per step inside the measured window
             trainer.train()
     except BaseException as exc:  # noqa: BLE001 - every outcome becomes data
-        from autotune.device import is_out_of_memory
+        from autotune.probe.device import is_out_of_memory
 
         if isinstance(exc, KeyboardInterrupt):
             raise
@@ -286,7 +287,7 @@ def run_probe(spec: ProbeSpec) -> ProbeResult:
 def _memory_fields(spec: ProbeSpec, callback: Any) -> dict[str, Any]:
     import torch
 
-    from autotune.device import cpu_peak_rss_bytes
+    from autotune.probe.device import cpu_peak_rss_bytes
 
     if spec.device.startswith("cuda") and torch.cuda.is_initialized():
         reserved = int(torch.cuda.max_memory_reserved())
@@ -370,7 +371,7 @@ def _finite_or_none(value: float) -> float | None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 2:
-        print("usage: python -m autotune.probe SPEC.json RESULT.json", file=sys.stderr)
+        print("usage: python -m autotune.probe.child SPEC.json RESULT.json", file=sys.stderr)
         return 2
     spec = ProbeSpec.from_json(Path(argv[0]).read_text(encoding="utf-8"))
     result = run_probe(spec)

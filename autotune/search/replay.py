@@ -5,9 +5,9 @@ search-space parameter (the names in :data:`autotune.params.PARAM_NAMES`), ``sta
 timeout, crash, diverged), ``samples_per_s``, ``peak_mem_bytes`` and ``probe_s`` (the wall seconds
 the probe took, compilation included). Other columns are kept but not read.
 
-:class:`ReplayEvaluator` implements the driver's :class:`~autotune.driver.Evaluator`: a replayed
-trial returns its row and charges ``probe_s`` to a :class:`~autotune.driver.VirtualClock`, which
-the driver's budget reads. A configuration missing from the table is an error, as is any
+:class:`ReplayEvaluator` implements the loop's :class:`~autotune.search.loop.Evaluator`: a replayed
+trial returns its row and charges ``probe_s`` to a :class:`~autotune.search.loop.VirtualClock`, which
+the loop's budget reads. A configuration missing from the table is an error, as is any
 malformed table (one line naming the column or the row). A re-measured near-tie returns its row
 again (a table is deterministic) and is charged its ``probe_s`` again, like any probe run.
 """
@@ -23,10 +23,11 @@ from typing import Any
 
 import pandas as pd
 
-from autotune.driver import VirtualClock, params_key
 from autotune.errors import ReplayTableError
 from autotune.params import PARAM_NAMES, TrialParams
-from autotune.records import STATUSES, ProbeResult
+from autotune.records import ProbeResult, ProbeStatus
+from autotune.search.loop import SearchSettings, VirtualClock, ranked_configurations, run_search
+from autotune.search.strategies.registry import make_strategy
 from autotune.space import SearchSpace
 
 MEASUREMENT_COLUMNS = ("status", "samples_per_s", "peak_mem_bytes", "probe_s")
@@ -47,7 +48,7 @@ class ReplayTable:
         return len(self.frame)
 
     def row(self, params: TrialParams) -> pd.Series | None:
-        position = self._index.get(params_key(params))
+        position = self._index.get(params.key())
         return None if position is None else self.frame.iloc[position]
 
     def space(self) -> SearchSpace:
@@ -88,7 +89,7 @@ class ReplayTable:
     def best_under(self, ceiling_bytes: int, space: SearchSpace | None = None) -> pd.Series | None:
         """The fastest ok row at or under the ceiling (within ``space`` if given): the true optimum."""
         frame = self.frame
-        mask = (frame["status"] == "ok") & (frame["peak_mem_bytes"] <= ceiling_bytes)
+        mask = (frame["status"] == ProbeStatus.OK.value) & (frame["peak_mem_bytes"] <= ceiling_bytes)
         if space is not None:
             for name, values in space.choices.items():
                 mask &= frame[name].isin(list(values))
@@ -139,10 +140,11 @@ def _check_rows(frame: pd.DataFrame, path: Path) -> None:
     def fail(position: int, column: str, message: str) -> None:
         raise ReplayTableError(f"replay table {path}, line {position + 2}, column {column}: {message}")
 
-    bad = ~frame["status"].isin(STATUSES)
+    statuses = ProbeStatus.values(ran=True)
+    bad = ~frame["status"].isin(statuses)
     if bad.any():
         i = int(bad.to_numpy().nonzero()[0][0])
-        fail(i, "status", f"unknown status {frame['status'].iloc[i]!r} (use one of {', '.join(STATUSES)})")
+        fail(i, "status", f"unknown status {frame['status'].iloc[i]!r} (use one of {', '.join(statuses)})")
     for column in (*PARAM_NAMES, "probe_s"):
         empty = frame[column].isna()
         if empty.any():
@@ -165,7 +167,7 @@ def _check_rows(frame: pd.DataFrame, path: Path) -> None:
             i = int(bad.to_numpy().nonzero()[0][0])
             fail(i, column, f"{frame[column].iloc[i]!r} is not a non-negative number")
         frame[column] = values
-    ok = frame["status"] == "ok"
+    ok = frame["status"] == ProbeStatus.OK.value
     for column in ("samples_per_s", "peak_mem_bytes"):
         bad = ok & frame[column].isna()
         if bad.any():
@@ -194,17 +196,17 @@ class ReplayEvaluator:
         self.probes += 1
         if probe_s > timeout_s:
             self.clock.advance(timeout_s)
-            return ProbeResult(status="timeout", error=f"replayed probe takes {probe_s:.0f} s > {timeout_s:.0f} s left", wall_s=timeout_s)
+            return ProbeResult(status=ProbeStatus.TIMEOUT, error=f"replayed probe takes {probe_s:.0f} s > {timeout_s:.0f} s left", wall_s=timeout_s)
         self.clock.advance(probe_s)
-        status = str(row["status"])
-        if status == "oom":
+        status = ProbeStatus(row["status"])
+        if status is ProbeStatus.OOM:
             self.oom_probes += 1
-        if status != "ok":
-            return ProbeResult(status=status, error=f"replayed {status}", wall_s=probe_s)  # type: ignore[arg-type]
+        if not status.is_ok():
+            return ProbeResult(status=status, error=f"replayed {status}", wall_s=probe_s)
         samples_per_s = float(row["samples_per_s"])
         peak = row["peak_mem_bytes"]
         return ProbeResult(
-            status="ok",
+            status=ProbeStatus.OK,
             samples_per_s=samples_per_s,
             step_time_s=params.effective_batch_size / samples_per_s if samples_per_s else None,
             peak_mem_bytes=None if peak is None or (isinstance(peak, float) and math.isnan(peak)) else int(peak),
@@ -251,7 +253,7 @@ def replay_search(
         budget_s: virtual seconds the search may charge.
         memory_ceiling_bytes: configurations above it do not count as found.
         space: the space to search (checked against the table); default: the table's own.
-        strategy: a name from :data:`autotune.strategies.STRATEGIES`.
+        strategy: a name from :data:`autotune.search.strategies.registry.STRATEGIES`.
         seed: sampler seed.
         baseline: the first trial; default transformers' defaults where the space has them, else none.
 
@@ -261,23 +263,18 @@ def replay_search(
     """
     import optuna
 
-    from autotune.driver import SearchSettings, feasible_configurations, run_search
-    from autotune.params import baseline_params
-    from autotune.strategies import make_strategy
-
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     search_space = space if space is not None else table.space()
     table.check_space(search_space)
     chosen = make_strategy(strategy)
     if baseline is None:
-        default = baseline_params()
+        default = search_space.baseline()
         baseline = default if search_space.contains(default) else None
     evaluator = ReplayEvaluator(table)
     study = optuna.create_study(direction="maximize", sampler=chosen.sampler(seed))
     settings = SearchSettings(memory_ceiling_bytes=memory_ceiling_bytes, budget_s=budget_s, seed=seed, min_probe_s=1.0)
     outcome = run_search(study, search_space, evaluator, settings, baseline=baseline, clock=evaluator.clock, strategy=chosen)
-    # The same aggregation as TuneResult.ranked(): a configuration fits when all its probes did, by its mean.
-    configurations = feasible_configurations(study, memory_ceiling_bytes)
+    configurations = ranked_configurations(study, memory_ceiling_bytes)
     best = configurations[0] if configurations else None
     peak = max((r.result.peak_mem_bytes or 0 for r in outcome.records if best and r.params == best.params), default=None)
     return ReplayOutcome(

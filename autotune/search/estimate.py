@@ -1,7 +1,7 @@
 """``autotune estimate``: the memory model's predictions as a table, without a GPU.
 
 Calculation only; :func:`autotune.cli.cmd_estimate` displays it. The numbers are the ones the
-tuner starts from (:class:`autotune.memory.MemoryModel` before any measurement): the model is
+tuner starts from (:class:`autotune.search.memory.MemoryModel` before any measurement): the model is
 counted on the meta device, nothing is allocated.
 """
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autotune.errors import UsageError
-from autotune.memory import MemoryModel, ModelDims, activation_bytes_per_sample, static_memory
+from autotune.search.memory import MemoryModel, ModelDims, activation_bytes_per_sample, static_memory
 from autotune.params import TrialParams
 
 
