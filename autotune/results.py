@@ -136,12 +136,13 @@ def loss_drift(losses: list[float], baseline_losses: list[float]) -> float | Non
 def _add_loss_drift(rows: list[dict[str, Any]]) -> None:
     """Fill ``loss_drift``/``numerics_flag`` against the baseline trial (same effective batch only:
     a different batch per step is different data per step, so the losses are not comparable)."""
-    baseline = next((r for r in rows if r["is_baseline"] and r["status"] == "ok" and r["duplicate_of"] is None), None)
+    ok = ProbeStatus.OK.value
+    baseline = next((r for r in rows if r["is_baseline"] and r["status"] == ok and r["duplicate_of"] is None), None)
     for row in rows:
         drift = None
         if (
             baseline is not None
-            and row["status"] == "ok"
+            and row["status"] == ok
             and row["effective_batch_size"] == baseline["effective_batch_size"]
         ):
             drift = loss_drift(row["losses"], baseline["losses"])
@@ -313,7 +314,7 @@ def nothing_fits_message(result: TuneResult) -> str:
 
     counts = result.counts()
     ceiling = format_bytes(result.memory_ceiling_bytes)
-    if counts.get("oom") or counts.get("pruned") or (counts.get("ok") and not len(result.ranked())):
+    if counts.get(ProbeStatus.OOM) or counts.get(ProbeStatus.PRUNED) or (counts.get(ProbeStatus.OK) and not len(result.ranked())):
         smallest = result.trials["per_device_train_batch_size"].min()
         return (
             f"nothing fits under the {ceiling} memory ceiling (smallest batch size tried: {smallest}): "

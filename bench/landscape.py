@@ -4,7 +4,7 @@
     python -m bench.landscape --preset all            # every preset into tests/data/
     python -m bench.landscape --preset pythia-160m-l4 --seed 12 -o /tmp/pythia-12.csv.gz  # another noise draw
 
-Each row is one configuration of the grid (the issue's 16 batch sizes x 4 accumulations x
+Each row is one configuration of the grid (16 batch sizes x 4 accumulations x
 4 precisions x 4 optimizers x 3 compile modes x 3 attentions x 4 worker counts x 2 checkpointing
 = 73,728 rows for the full presets). The numbers are *made up* but shaped like real GPU training:
 

@@ -232,6 +232,7 @@ def test_torch_compile_probe_excludes_compilation_from_the_timing() -> None:
     result = isolation.run_isolated(spec, timeout_s=300)
     assert result.status == "ok", result.error
     assert result.measured_steps >= 3
-    # Compilation happened in the warm-up, not in the measured window.
-    assert result.warmup_s > 20 * result.step_time_s
-    assert max(result.extra["step_times_s"]) < 5 * min(result.extra["step_times_s"])
+    # Compilation happened in the warm-up, not in the measured window (counted, not timed: a loaded
+    # machine makes any ratio of step times flaky).
+    assert result.extra["compiled_graphs_warmup"] >= 1
+    assert result.extra["compiled_graphs_measured"] == 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import gzip
+import dataclasses
 import json
 import re
 
@@ -11,7 +12,7 @@ import pandas as pd
 import pytest
 
 from autotune.cli import main
-from autotune.results import load_result
+from autotune.results import TuneResult, load_result
 from autotune.report.html import MAX_REPORT_BYTES, plotly_js, render_report, write_report
 from autotune.report.charts import pareto_front, param_importance
 from autotune.report.formatting import format_value
@@ -24,9 +25,16 @@ def storage(tmp_path) -> str:
     return f"sqlite:///{tmp_path / 'r.db'}"
 
 
+@pytest.fixture(scope="module")
+def shared_study(tmp_path_factory) -> TuneResult:
+    """One 12-trial study for the read-only tests of this module (building it takes a few seconds)."""
+    return make_study(f"sqlite:///{tmp_path_factory.mktemp('report') / 'r.db'}")
+
+
 @pytest.fixture
-def result(storage):
-    return make_study(storage)
+def result(shared_study) -> TuneResult:
+    """The shared study, with its own trials frame (some tests change it)."""
+    return dataclasses.replace(shared_study, trials=shared_study.trials.copy())
 
 
 def _column(model, key: str) -> list[str]:
@@ -123,7 +131,7 @@ def test_optional_columns_appear_when_present_and_are_never_invented(result) -> 
     frame["energy_per_sample_j"] = None  # present, but never measured: left out
     frame["input_bound"] = [i == 0 for i in range(len(frame))]
     frame["predicted_peak_mem_bytes"] = frame["per_device_train_batch_size"] * 2**30
-    frame.loc[len(frame) - 1, "status"] = "pruned"  # issue 4's outcome: pruned without running
+    frame.loc[len(frame) - 1, "status"] = "pruned"  # ruled out by the memory model without running
     result.trials = frame
     model = build_report_model(result)
     keys = [c.key for c in model.columns]
@@ -169,9 +177,10 @@ def test_a_long_study_stays_under_5_mb(result) -> None:
     assert size < MAX_REPORT_BYTES, f"{size:,} bytes"
 
 
-def test_a_running_study_renders_its_running_trial(result, storage) -> None:
+def test_a_running_study_renders_its_running_trial(storage) -> None:
     import optuna
 
+    make_study(storage)
     study = optuna.load_study(study_name="report-test", storage=storage)
     trial = study.ask()  # a probe in flight: asked, not told
     trial.set_user_attr("params", {"per_device_train_batch_size": 8, "precision": "bf16"})
@@ -318,3 +327,22 @@ def test_a_near_tie_is_ranked_by_its_mean_in_the_report_and_the_console(storage)
     lines = [line for line in console.export_text().splitlines() if "fp32" in line]
     cells = [[c.strip() for c in line.split("│")] for line in lines]
     assert [(c[3], c[10], c[11]) for c in cells] == [("64 x 1", "100.0", "2"), ("32 x 1", "98.0", "2"), ("8 x 1", "50.0", "1")]
+
+
+def test_the_report_counts_the_space_as_the_run_does_under_a_fixed_effective_batch(tmp_path, fake_gpu) -> None:
+    """With ``--effective-batch-size`` the accumulation is derived, not searched: the report's space size
+    is the run's (``SearchSpace.size``), not the product over every listed value (it once said 4x more)."""
+    from autotune.api import RunOptions, plan_run, tune
+    from tests.conftest import FakeEvaluator
+
+    options = dict(space="default", effective_batch_size=64, device=fake_gpu, seq_len=128, budget=None, n_trials=2,
+                   storage=f"sqlite:///{tmp_path / 'ebs.db'}")
+    plan = plan_run(RunOptions(model="tiny-gptneox", **options))
+    every_value = 1
+    for values in plan.space.choices.values():
+        every_value *= len(values)
+    assert plan.space.size < every_value  # the accumulation steps do not multiply the count
+    result = tune("tiny-gptneox", evaluator=FakeEvaluator(), report_dir=None, command="test", **options)
+    summary = dict(build_report_model(result).summary)
+    assert summary["Search space"] == f"default ({plan.space.size:,} configurations before pruning)"
+    assert summary["Effective batch size"] == "fixed at 64"

@@ -26,7 +26,7 @@ CHROMIUM_FLAGS = (
     "--disable-dev-shm-usage", "--window-size=1400,1000",
 )
 
-pytestmark = pytest.mark.browser
+pytestmark = [pytest.mark.browser, pytest.mark.slow]  # starts Chromium: ~10 s
 
 
 def _require(name: str, *candidates: str) -> str:

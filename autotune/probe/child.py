@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from autotune.probe.flops import achieved_tflops, mfu, model_flops_per_token
-from autotune.records import ProbeResult, ProbeSpec
+from autotune.records import ProbeResult, ProbeSpec, ProbeStatus
 from autotune.probe.steady import StopRule, ci95_rel
 
 _ERROR_TAIL_CHARS = 2000
@@ -93,6 +93,7 @@ def _make_callback(spec: ProbeSpec, cuda: bool) -> Any:
             self.losses: list[float] = []
             self.diverged = False
             self.peak_device_used_bytes: int | None = None
+            self.graphs_at_step: list[int] = []  # torch.compile graphs compiled so far, at each step's end
             self.sampler = NvmlSampler() if cuda else None
             self.telemetry = Telemetry(samples=0)
 
@@ -130,6 +131,7 @@ def _make_callback(spec: ProbeSpec, cuda: bool) -> Any:
             if cuda:
                 torch.cuda.synchronize()
             self.step_end_s.append(time.perf_counter())
+            self.graphs_at_step.append(compiled_graphs())
             self._check_memory()
             if len(self.step_end_s) == spec.warmup_steps and self.sampler is not None:
                 self.sampler.start()
@@ -154,6 +156,25 @@ def _make_callback(spec: ProbeSpec, cuda: bool) -> Any:
                 control.should_training_stop = True
 
     return ProbeCallback()
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has compiled in this process so far (0 when it never ran)."""
+    if "torch._dynamo" not in sys.modules:
+        return 0
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _compile_counts(spec: ProbeSpec, callback: Any) -> dict[str, int]:
+    """Graphs compiled during the warm-up and during the measured window: a compilation inside the
+    window would be timed as a slow step, so a compiled probe should show none there."""
+    graphs = callback.graphs_at_step
+    if not graphs:
+        return {}
+    at_warmup_end = graphs[spec.warmup_steps - 1] if spec.warmup_steps else 0
+    return {"compiled_graphs_warmup": at_warmup_end, "compiled_graphs_measured": graphs[-1] - at_warmup_end}
 
 
 def _limit_cuda_memory(ceiling_bytes: int) -> None:
@@ -268,12 +289,12 @@ def run_probe(spec: ProbeSpec) -> ProbeResult:
             raise
         if callback is not None:
             callback.stop_sampler()
-        status = "oom" if is_out_of_memory(exc) else "crash"
+        status = ProbeStatus.OOM if is_out_of_memory(exc) else ProbeStatus.CRASH
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        error = message if status == "oom" else traceback.format_exc()[-_ERROR_TAIL_CHARS:]
+        error = message if status is ProbeStatus.OOM else traceback.format_exc()[-_ERROR_TAIL_CHARS:]
         return ProbeResult(
             status=status,
-            error=f"{type(exc).__name__}: {message}" if status == "oom" else error,
+            error=f"{type(exc).__name__}: {message}" if status is ProbeStatus.OOM else error,
             losses=tuple(callback.losses) if callback else (),
             device_name=device_name,
             setup_s=(callback.train_begin_s - start_s) if callback and callback.train_begin_s else None,
@@ -321,11 +342,11 @@ def _summarise(
     }
     if callback.diverged:
         return ProbeResult(
-            status="diverged", error=f"non-finite loss at step {len(callback.losses)}: {callback.losses[-1]}", **common
+            status=ProbeStatus.DIVERGED, error=f"non-finite loss at step {len(callback.losses)}: {callback.losses[-1]}", **common
         )
     step_times = callback.step_times_s()
     if len(step_times) < spec.measure_steps:
-        return ProbeResult(status="crash", error=f"training stopped after {len(callback.step_end_s)} steps", **common)
+        return ProbeResult(status=ProbeStatus.CRASH, error=f"training stopped after {len(callback.step_end_s)} steps", **common)
     window_s = sum(step_times)
     step_time_s = window_s / len(step_times)
     samples_per_step = spec.params.effective_batch_size
@@ -336,7 +357,7 @@ def _summarise(
     telemetry = callback.telemetry
     energy = telemetry.power_mean_w * window_s / (samples_per_step * len(step_times)) if telemetry.power_mean_w else None
     return ProbeResult(
-        status="ok",
+        status=ProbeStatus.OK,
         samples_per_s=samples_per_s,
         tokens_per_s=tokens_per_s,
         step_time_s=step_time_s,
@@ -353,7 +374,7 @@ def _summarise(
         energy_per_sample_j=energy,
         input_wait_fraction=wait_fraction,
         input_bound=bool(wait_fraction is not None and wait_fraction > INPUT_BOUND_FRACTION),
-        extra={"step_times_s": step_times, "torch_threads": _torch_threads()},
+        extra={"step_times_s": step_times, "torch_threads": _torch_threads(), **_compile_counts(spec, callback)},
         **common,
     )
 

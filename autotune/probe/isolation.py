@@ -35,7 +35,7 @@ from collections.abc import Iterator
 from multiprocessing import spawn
 from typing import Any, Literal, Protocol
 
-from autotune.records import ProbeResult, ProbeSpec
+from autotune.records import ProbeResult, ProbeSpec, ProbeStatus
 
 IsolationMode = Literal["forkserver", "cold"]
 DEFAULT_MODE: IsolationMode = "forkserver"
@@ -253,14 +253,14 @@ def run_isolated(
         child.kill_group()
         if returncode is None:
             return ProbeResult(
-                status="timeout", error=f"probe passed its {timeout_s:.0f} s deadline and was killed", wall_s=wall_s
+                status=ProbeStatus.TIMEOUT, error=f"probe passed its {timeout_s:.0f} s deadline and was killed", wall_s=wall_s
             )
         if result_path.exists():
             try:
                 data = json.loads(result_path.read_text(encoding="utf-8"))
                 result = ProbeResult.from_dict(data).replace(wall_s=wall_s)
             except (json.JSONDecodeError, TypeError) as exc:
-                return ProbeResult(status="crash", error=f"unreadable probe result: {exc}", wall_s=wall_s)
+                return ProbeResult(status=ProbeStatus.CRASH, error=f"unreadable probe result: {exc}", wall_s=wall_s)
             return result.replace(overhead_s=fixed_overhead_s(result))
         if returncode < 0:
             name = signal.Signals(-returncode).name
@@ -269,4 +269,4 @@ def run_isolated(
         else:
             reason = f"probe process exited with code {returncode} without a result"
         tail = _tail(log_path)
-        return ProbeResult(status="crash", error=f"{reason}\n{tail}".strip(), wall_s=wall_s)
+        return ProbeResult(status=ProbeStatus.CRASH, error=f"{reason}\n{tail}".strip(), wall_s=wall_s)

@@ -17,7 +17,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-DEFAULT_TARGET_REL = 0.02  # +-2% on the mean step time, the target
+DEFAULT_TARGET_REL = 0.02  # +-2% on the mean step time: below the 2% run-to-run spread we accept on a GPU
 
 # Two-sided 97.5% quantiles of Student's t for 1..30 degrees of freedom (any statistics table,
 # e.g. NIST/SEMATECH e-Handbook 1.3.6.7.2); above 30 the normal quantile is close enough.

@@ -21,7 +21,7 @@ from autotune.units import format_bytes
 GiB = 2**30
 CEILING_DRAW_FACTOR = 4.0  # draw the ceiling line when it is at most this many times the highest peak
 COLORWAY = ["#3b6fd8", "#e0762d", "#2e9f5b", "#c23b4e", "#8a5cc7", "#7a6a55", "#d45fb0", "#6b7385"]
-GROUP_COLORS = {"fp32": "#3b6fd8", "tf32": "#8a5cc7", "fp16": "#e0762d", "bf16": "#2e9f5b", "oom": "#c23b4e"}  # one colour per precision
+GROUP_COLORS = {"fp32": "#3b6fd8", "tf32": "#8a5cc7", "fp16": "#e0762d", "bf16": "#2e9f5b", ProbeStatus.OOM.value: "#c23b4e"}  # per precision, and OOMs
 
 
 @dataclass(frozen=True)
@@ -158,7 +158,7 @@ def chart_memory_vs_batch(frame: pd.DataFrame, ceiling_bytes: int | None) -> Cha
         series.append(Series(
             name="out of memory (drawn at the ceiling)", x=tuple(int(b) for b in oom["per_device_train_batch_size"]),
             y=tuple(ceiling_bytes / GiB for _ in range(len(oom))),
-            text=tuple(f"trial {int(r.trial)}: {short_config(r)}" for r in oom.itertuples()), symbol="x", group="oom",
+            text=tuple(f"trial {int(r.trial)}: {short_config(r)}" for r in oom.itertuples()), symbol="x", group=ProbeStatus.OOM.value,
         ))
     if not series:
         return Chart(**base, empty_reason="no probe measured its peak memory")

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autotune.params import TrialParams
-from autotune.records import ProbeResult
+from autotune.records import ProbeResult, ProbeStatus
 
 GiB = 2**30
 
@@ -203,7 +203,7 @@ class MemoryModel:
         """Record a measured outcome (``ok`` with a peak, or ``oom``); other outcomes carry no memory information."""
         group = self._groups.setdefault(memory_group(params), _GroupData())
         batch = params.per_device_train_batch_size
-        if result.status == "oom":
+        if result.status is ProbeStatus.OOM:
             group.oom_from = batch if group.oom_from is None else min(group.oom_from, batch)
         elif result.ok and result.peak_mem_bytes is not None:
             group.fits[batch] = max(group.fits.get(batch, 0), int(result.peak_mem_bytes))
