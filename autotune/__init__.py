@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from autotune.version import __version__
 
 __all__ = ["__version__", "tune", "TuneResult", "load_result"]
 
@@ -18,7 +18,7 @@ def __getattr__(name: str):  # lazy: `autotune --help` and the probe child start
 
         return tune
     if name in ("TuneResult", "load_result"):
-        from autotune import results
+        import autotune.results
 
-        return getattr(results, name)
+        return getattr(autotune.results, name)
     raise AttributeError(f"module 'autotune' has no attribute {name!r}")

@@ -21,7 +21,7 @@ from typing import Any
 
 import optuna
 
-from autotune import __version__, studies
+import autotune.studies as studies
 from autotune.errors import DeviceError, UsageError
 from autotune.params import TrialParams
 from autotune.probe.device import detect_device
@@ -32,6 +32,7 @@ from autotune.search.strategies.registry import DEFAULT_STRATEGY, make_strategy
 from autotune.space import SearchSpace, load_space
 from autotune.studies import DEFAULT_STORAGE
 from autotune.units import format_bytes, parse_bytes, parse_duration_s
+from autotune.version import __version__
 
 DEFAULT_MODEL = "tiny-gptneox"
 DEFAULT_SEQ_LEN = 512

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from autotune.errors import EXIT_INTERRUPTED, AutotuneError, UsageError
+from autotune.version import __version__
 
 # Usage examples live beside each command, as data.
 EXAMPLES: dict[str, list[tuple[str, str]]] = {
@@ -350,7 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
-    parser.add_argument("--version", action="version", version=f"autotune {__import__('autotune').__version__}")
+    parser.add_argument("--version", action="version", version=f"autotune {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_run(sub)
     _add_estimate(sub)

@@ -15,7 +15,7 @@ from typing import Any
 import optuna
 import pandas as pd
 
-from autotune import studies
+import autotune.studies as studies
 from autotune.errors import NothingFits
 from autotune.params import PARAM_NAMES, TrialParams
 from autotune.records import ProbeResult, ProbeStatus

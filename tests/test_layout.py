@@ -3,9 +3,10 @@
 Imports are read from the source (``ast``), function-level ones included. Importing ``a.b.c``
 runs ``a/__init__.py`` and ``a/b/__init__.py``, so a module also depends on its parent packages.
 The root package ``autotune`` is the exception: it is the public facade (``autotune.tune``), the
-top layer, and its module-level code imports nothing (checked below), so running it, on the way to
-any submodule or for ``from autotune import __version__``, can never re-enter another module; its
-lazy attributes import the API on first use. So it is no one's dependency here.
+top layer, and its module-level code imports only ``autotune.version`` (which imports nothing;
+checked below), so running it on the way to any submodule can never re-enter another module; its
+lazy attributes import the API on first use. So it is no one's dependency here, and no module
+imports it by name (``from autotune import x``): the version lives in ``autotune.version``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "autotune"
 # `probe` share a layer and must not import each other: the parent side and the child side meet
 # only in `api` (the probe evaluator behind the search loop's Evaluator interface).
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("autotune.errors", "autotune.units"),
+    ("autotune.version", "autotune.errors", "autotune.units"),
     ("autotune.params",),
     ("autotune.records",),
     ("autotune.space", "autotune.models", "autotune.data"),
@@ -134,7 +135,9 @@ def test_no_import_cycles() -> None:
 
 
 def test_the_root_package_runs_no_import_when_a_submodule_is_imported() -> None:
-    assert _imports(MODULES["autotune"], module_level_only=True) == set()
+    """Its module level names only the version, a module that imports nothing."""
+    assert _imports(MODULES["autotune"], module_level_only=True) == {"autotune.version"}
+    assert _imports(MODULES["autotune.version"]) == set()
 
 
 def test_subpackage_inits_import_nothing() -> None:
@@ -169,3 +172,7 @@ def test_a_replayed_search_never_imports_torch() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_no_module_imports_the_facade() -> None:
+    assert [name for name, path in MODULES.items() if name != ROOT and ROOT in _imports(path)] == []

@@ -146,7 +146,7 @@ def _json_for_script(data: Any) -> str:
 
 def render_html(model: ReportModel) -> str:
     """The report model as one HTML string."""
-    from autotune import __version__
+    from autotune.version import __version__
 
     figures = [figure(c) for c in model.charts if not c.empty_reason]
     generated = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")

@@ -45,7 +45,7 @@ from typing import Any, Literal, Protocol
 
 import optuna
 
-from autotune import studies
+import autotune.studies as studies
 from autotune.params import TrialParams
 from autotune.records import ProbeResult, ProbeStatus
 from autotune.search.memory import MemoryModel
