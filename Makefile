@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install browser clean
+.PHONY: demo test lint install browser clean
 
 install: $(STAMP)
 
@@ -24,8 +24,14 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/autotune run --space quick --seq-len 128 --budget 3m --output best.json
 
-test: $(STAMP) browser
+test: $(STAMP) browser lint
 	$(PY) -m pytest
+
+# ruff over the code, the tests and the benchmarks; mypy over the search package (its imports are
+# read for their types, their own errors not reported).
+lint: $(STAMP)
+	$(VENV)/bin/ruff check autotune tests bench
+	$(VENV)/bin/mypy --follow-imports=silent autotune/search
 
 # The report's browser test drives Debian's Chromium; CI runs as root on Debian, so install it there
 # when it is missing (elsewhere the test skips without it, and fails under CI=true).

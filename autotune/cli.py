@@ -381,7 +381,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except BaseException as exc:  # noqa: BLE001 - mapped below, or re-raised
+    except BaseException as exc:
         if args.debug or isinstance(exc, SystemExit):
             raise
         for exc_type, describe in ERROR_TABLE:

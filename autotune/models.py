@@ -25,11 +25,12 @@ import json
 import os
 import re
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache, lru_cache
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlparse
 
 from autotune.errors import ModelNotFound
@@ -376,7 +377,7 @@ def _read_bundled(name: str) -> dict[str, Any]:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
-@lru_cache(maxsize=None)
+@cache
 def _builtin_by_hub_id() -> dict[str, str]:
     """Maps the lower-cased Hub id of each real built-in model to its built-in name."""
     mapping: dict[str, str] = {}

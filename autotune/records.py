@@ -159,6 +159,15 @@ class ProbeResult:
 
 
 @dataclass(frozen=True)
+class Probe:
+    """One probe that ran, as the search and the ranking read it: its trial number, configuration and outcome."""
+
+    number: int
+    params: TrialParams
+    result: ProbeResult
+
+
+@dataclass(frozen=True)
 class DeviceInfo:
     """What the probes will run on."""
 

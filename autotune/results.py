@@ -18,7 +18,7 @@ import pandas as pd
 import autotune.studies as studies
 from autotune.errors import NothingFits
 from autotune.params import PARAM_NAMES, TrialParams
-from autotune.records import ProbeResult, ProbeStatus
+from autotune.records import Probe, ProbeResult, ProbeStatus
 from autotune.search.ranking import rank_configurations
 from autotune.studies import (
     ATTR_DUPLICATE_OF,
@@ -154,23 +154,14 @@ _MEAN_COLUMNS = ("samples_per_s", "tokens_per_s", "step_time_s", "achieved_tflop
 _MAX_COLUMNS = ("peak_mem_bytes", "peak_allocated_bytes", "peak_reserved_bytes", "peak_device_used_bytes", "step_time_ci95_rel")
 
 
-@dataclass(frozen=True)
-class _FrameProbe:
-    """A trials-frame row as the ranking reads it."""
-
-    number: int
-    params: TrialParams
-    result: ProbeResult
-
-
-def _frame_probes(trials: pd.DataFrame) -> list[_FrameProbe]:
+def _frame_probes(trials: pd.DataFrame) -> list[Probe]:
     """The rows of probes that ran (repeats, pruned, running and failed-without-a-probe rows left out)."""
     ran = trials[trials["duplicate_of"].isna() & trials["status"].isin(ProbeStatus.values(ran=True))]
     probes = []
     for row in ran.to_dict("records"):
         params = TrialParams.from_dict({name: _py(row[name]) for name in PARAM_NAMES})
         result = ProbeResult.from_dict({k: _py(row[k]) for k in ("status", "samples_per_s", "peak_mem_bytes", "step_time_ci95_rel", "wall_s")})
-        probes.append(_FrameProbe(int(row["trial"]), params, result))
+        probes.append(Probe(int(row["trial"]), params, result))
     return probes
 
 

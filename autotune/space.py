@@ -247,8 +247,17 @@ def package_available(module: str) -> bool:
 # ---------------------------------------------------------------------- loading
 
 
+def _builtin_spaces_folder() -> importlib.resources.abc.Traversable:
+    """The folder of the built-in spaces: package ``autotune.spaces``, which is the checkout's ``search_spaces/`` installed."""
+    try:
+        return importlib.resources.files("autotune.spaces")
+    except ModuleNotFoundError:
+        # An editable install (or a bare checkout) cannot import a package mapped onto a folder without __init__.py (pypa/setuptools#4943).
+        return Path(__file__).resolve().parent.parent / "search_spaces"
+
+
 def builtin_space_names() -> list[str]:
-    folder = importlib.resources.files("autotune") / "spaces"
+    folder = _builtin_spaces_folder()
     return sorted(p.name[: -len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml"))
 
 
@@ -264,7 +273,7 @@ def load_space(name_or_path: str) -> SearchSpace:
             raise SearchSpaceError(f"search space file {name_or_path} not found: pass an existing YAML file or one of {', '.join(builtin_space_names())}")
         text, name = path.read_text(encoding="utf-8"), path.stem
     else:
-        resource = importlib.resources.files("autotune") / "spaces" / f"{name_or_path}.yaml"
+        resource = _builtin_spaces_folder() / f"{name_or_path}.yaml"
         if not resource.is_file():
             names = builtin_space_names()
             close = difflib.get_close_matches(name_or_path, names, n=1)

@@ -27,7 +27,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from autotune.errors import UsageError
 from autotune.params import TrialParams
-from autotune.records import ProbeResult, ProbeStatus
+from autotune.records import Probe, ProbeResult, ProbeStatus
 
 DEFAULT_STORAGE = "sqlite:///autotune.db"
 STUDY_ATTR = "autotune"  # study user attribute holding the run's settings (model, device, space, run log)
@@ -175,22 +175,13 @@ def last_stop(settings: dict[str, Any]) -> str | None:
 # ---------------------------------------------------------------------------------------- reading
 
 
-@dataclass(frozen=True)
-class StoredProbe:
-    """A finished trial that ran a probe (repeats excluded): what the ranking and the search read."""
-
-    number: int
-    params: TrialParams
-    result: ProbeResult
-
-
-def stored_probes(study: optuna.Study) -> list[StoredProbe]:
+def stored_probes(study: optuna.Study) -> list[Probe]:
     """The finished trials that ran a probe (repeats and pruned trials excluded), oldest first."""
     probes = []
     for trial in study.get_trials(deepcopy=False, states=_FINISHED):
         attrs = trial.user_attrs
         if ATTR_RESULT in attrs and ATTR_PARAMS in attrs and ATTR_DUPLICATE_OF not in attrs:
-            probes.append(StoredProbe(trial.number, TrialParams.from_dict(attrs[ATTR_PARAMS]), ProbeResult.from_dict(attrs[ATTR_RESULT])))
+            probes.append(Probe(trial.number, TrialParams.from_dict(attrs[ATTR_PARAMS]), ProbeResult.from_dict(attrs[ATTR_RESULT])))
     return probes
 
 

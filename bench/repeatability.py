@@ -21,11 +21,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from autotune.probe.device import detect_device  # noqa: E402
-from autotune.probe.isolation import run_isolated, start_server  # noqa: E402
-from autotune.models import resolve_model  # noqa: E402
-from autotune.params import PRECISIONS, TrialParams  # noqa: E402
-from autotune.records import ProbeSpec  # noqa: E402
+from autotune.models import resolve_model
+from autotune.params import PRECISIONS, TrialParams
+from autotune.probe.device import detect_device
+from autotune.probe.isolation import run_isolated, start_server
+from autotune.records import ProbeSpec
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,10 +7,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from autotune.records import DeviceInfo
-from autotune.search.loop import VirtualClock
 from autotune.params import TrialParams
-from autotune.records import ProbeResult
+from autotune.records import DeviceInfo, ProbeResult
+from autotune.search.loop import VirtualClock
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -5,15 +5,14 @@ from __future__ import annotations
 import optuna
 
 from autotune.api import package_versions
-from autotune.records import DeviceInfo
+from autotune.params import TrialParams, baseline_params
+from autotune.records import DeviceInfo, ProbeResult
+from autotune.results import TuneResult, load_result
 from autotune.search.loop import SearchSettings, run_search
 from autotune.search.strategies.baselines import tpe_sampler as make_sampler
-from autotune.params import TrialParams, baseline_params
-from autotune.records import ProbeResult
-from autotune.results import TuneResult, load_result
-from autotune.studies import ATTR_ROLE, ROLE_BASELINE, STUDY_ATTR
 from autotune.space import parse_space
-from tests.conftest import GiB, FakeEvaluator
+from autotune.studies import ATTR_ROLE, ROLE_BASELINE, STUDY_ATTR
+from tests.conftest import FakeEvaluator, GiB
 
 CEILING = 12 * GiB
 DEVICE = DeviceInfo(kind="cuda", name="Fake H100", total_memory_bytes=80 * GiB, compute_capability=(9, 0),

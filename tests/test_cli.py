@@ -62,9 +62,9 @@ def test_run_end_to_end_then_resume(tmp_path) -> None:
 
 @pytest.mark.slow
 def test_api_returns_training_arguments_that_trainer_accepts(tmp_path) -> None:
-    import autotune
     from transformers import Trainer
 
+    import autotune
     from autotune.models import build_model, resolve_model
 
     result = autotune.tune(

@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from autotune.probe import isolation
 from autotune.api import RunOptions, plan_run
 from autotune.data import FORMATS, DatasetSpec, TextDataset, read_texts
 from autotune.errors import UsageError
 from autotune.models import resolve_model
 from autotune.params import TrialParams
+from autotune.probe import isolation
 from autotune.records import ProbeSpec
 
 TEXT = Path(__file__).parent / "data" / "text"

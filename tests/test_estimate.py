@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 
 from autotune.cli import main
-from autotune.search.memory import MemoryModel, ModelDims
 from autotune.models import resolve_model
 from autotune.params import TrialParams
+from autotune.search.memory import MemoryModel, ModelDims
 from autotune.space import load_space
 from tests.conftest import GiB
 

@@ -8,15 +8,15 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from autotune.search.loop import SearchSettings, VirtualClock, ranked_configurations, run_search
-from autotune.search.ranking import noise_band
-from autotune.search.strategies.baselines import tpe_sampler as make_sampler
-from autotune.studies import ATTR_DUPLICATE_OF, ATTR_OWNER, ATTR_REASON, ATTR_REMEASURE_OF, ATTR_REUSABLE
 from autotune.params import TrialParams, baseline_params
 from autotune.records import ProbeResult
 from autotune.results import TuneResult, trials_frame
+from autotune.search.loop import SearchSettings, VirtualClock, ranked_configurations, run_search
+from autotune.search.ranking import noise_band
+from autotune.search.strategies.baselines import tpe_sampler as make_sampler
 from autotune.space import parse_space
-from tests.conftest import GiB, FakeEvaluator, NoisyEvaluator
+from autotune.studies import ATTR_DUPLICATE_OF, ATTR_OWNER, ATTR_REASON, ATTR_REMEASURE_OF, ATTR_REUSABLE
+from tests.conftest import FakeEvaluator, GiB, NoisyEvaluator
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 

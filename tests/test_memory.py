@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from autotune.params import TrialParams
+from autotune.records import ProbeResult
 from autotune.search.memory import (
     CUDA_CONTEXT_BYTES,
     MemoryModel,
@@ -12,8 +14,6 @@ from autotune.search.memory import (
     predict_peak_bytes,
     static_memory,
 )
-from autotune.params import TrialParams
-from autotune.records import ProbeResult
 from tests.conftest import GiB
 
 DIMS = ModelDims(num_parameters=1_000_000, num_layers=2, hidden_size=128, num_attention_heads=4, vocab_size=1000, intermediate_size=512)

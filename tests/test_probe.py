@@ -7,14 +7,15 @@ import json
 import os
 import signal
 import threading
+from pathlib import Path
 
 import pytest
 
-from autotune.probe import isolation
 from autotune.models import resolve_model
 from autotune.params import TrialParams
-from autotune.records import ProbeSpec
+from autotune.probe import isolation
 from autotune.probe.steady import ci95_rel
+from autotune.records import ProbeSpec
 
 pytestmark = pytest.mark.slow  # each probe runs a real Trainer in a fresh process (~1-5 s here)
 
@@ -162,7 +163,7 @@ def _session_members(session_id: int) -> set[int]:
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                if os.getsid(int(entry)) == session_id and open(f"/proc/{entry}/stat").read().split()[2] != "Z":
+                if os.getsid(int(entry)) == session_id and Path(f"/proc/{entry}/stat").read_text().split()[2] != "Z":
                     members.add(int(entry))
             except (ProcessLookupError, PermissionError, FileNotFoundError):
                 pass

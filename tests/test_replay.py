@@ -9,9 +9,9 @@ import pandas as pd
 import pytest
 
 from autotune.cli import main
-from autotune.search.loop import VirtualClock
 from autotune.errors import ReplayTableError
 from autotune.params import TrialParams
+from autotune.search.loop import VirtualClock
 from autotune.search.replay import ReplayEvaluator, load_table, replay_search
 from autotune.space import parse_space
 from tests.conftest import GiB

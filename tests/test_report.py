@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import base64
-import gzip
 import dataclasses
+import gzip
 import json
 import re
 
@@ -12,11 +12,11 @@ import pandas as pd
 import pytest
 
 from autotune.cli import main
-from autotune.results import TuneResult, load_result
-from autotune.report.html import MAX_REPORT_BYTES, plotly_js, render_report, write_report
-from autotune.report.charts import pareto_front, param_importance
+from autotune.report.charts import param_importance, pareto_front
 from autotune.report.formatting import format_value
+from autotune.report.html import MAX_REPORT_BYTES, plotly_js, render_report, write_report
 from autotune.report.model import OUTCOMES, build_report_model, largest_default_batch
+from autotune.results import TuneResult, load_result
 from tests.report_studies import empty_study, make_study
 
 
@@ -303,8 +303,8 @@ def test_a_near_tie_is_ranked_by_its_mean_in_the_report_and_the_console(storage)
     from autotune.console import ranked_table
     from autotune.search.loop import SearchSettings, run_search
     from autotune.search.strategies.baselines import tpe_sampler as make_sampler
-    from autotune.studies import STUDY_ATTR
     from autotune.space import parse_space
+    from autotune.studies import STUDY_ATTR
     from tests.conftest import GiB, NoisyEvaluator
     from tests.report_studies import DEVICE, settings
 

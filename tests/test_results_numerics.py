@@ -8,11 +8,11 @@ import optuna
 import pytest
 
 from autotune.console import measurement_warnings
-from autotune.search.loop import SearchSettings, run_search
-from autotune.search.strategies.baselines import tpe_sampler as make_sampler
 from autotune.params import TrialParams, baseline_params
 from autotune.records import ProbeResult
 from autotune.results import LOSS_DRIFT_TOLERANCE, RESULT_COLUMNS, loss_drift, trials_frame
+from autotune.search.loop import SearchSettings, run_search
+from autotune.search.strategies.baselines import tpe_sampler as make_sampler
 from autotune.space import parse_space
 from tests.conftest import GiB
 

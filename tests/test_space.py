@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from autotune.records import DeviceInfo
 from autotune.errors import SearchSpaceError, UsageError
+from autotune.records import DeviceInfo
 from autotune.space import builtin_space_names, load_space, parse_space
 
 GiB = 2**30

@@ -8,18 +8,18 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from autotune.search.loop import SearchSettings, run_search
 from autotune.errors import UsageError
-from autotune.search.memory import MemoryModel
 from autotune.params import TrialParams, baseline_params
 from autotune.records import ProbeResult
-from autotune.search.replay import ReplayEvaluator, load_table, replay_search
 from autotune.results import trials_frame
-from autotune.space import parse_space
+from autotune.search.loop import SearchSettings, run_search
+from autotune.search.memory import MemoryModel
+from autotune.search.replay import ReplayEvaluator, load_table, replay_search
 from autotune.search.strategies.base import SearchState, Strategy
-from autotune.search.strategies.registry import STRATEGIES, make_strategy
 from autotune.search.strategies.frontier import FrontierStrategy
-from tests.conftest import GiB, FakeEvaluator
+from autotune.search.strategies.registry import STRATEGIES, make_strategy
+from autotune.space import parse_space
+from tests.conftest import FakeEvaluator, GiB
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 DATA = Path(__file__).parent / "data"

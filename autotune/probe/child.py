@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from autotune.probe.flops import achieved_tflops, mfu, model_flops_per_token
-from autotune.records import ProbeResult, ProbeSpec, ProbeStatus
 from autotune.probe.steady import StopRule, ci95_rel
+from autotune.records import ProbeResult, ProbeSpec, ProbeStatus
 
 _ERROR_TAIL_CHARS = 2000
 # A trial that waits for its batches more than this share of the measured window is input-bound:
@@ -119,15 +119,15 @@ def _make_callback(spec: ProbeSpec, cuda: bool) -> Any:
                     f"peak RSS {cpu_peak_rss_bytes()} B passed the simulated ceiling {spec.memory_ceiling_bytes} B"
                 )
 
-        def on_train_begin(self, args, state, control, **kwargs):  # noqa: ANN001
+        def on_train_begin(self, args, state, control, **kwargs):
             self.train_begin_s = time.perf_counter()
             if spec.warmup_steps == 0 and self.sampler is not None:
                 self.sampler.start()
 
-        def on_substep_end(self, args, state, control, **kwargs):  # noqa: ANN001
+        def on_substep_end(self, args, state, control, **kwargs):
             self._check_memory()
 
-        def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001
+        def on_step_end(self, args, state, control, **kwargs):
             if cuda:
                 torch.cuda.synchronize()
             self.step_end_s.append(time.perf_counter())
@@ -138,7 +138,7 @@ def _make_callback(spec: ProbeSpec, cuda: bool) -> Any:
             if len(self.step_end_s) > spec.warmup_steps and rule.should_stop(self.step_times_s()):
                 control.should_training_stop = True
 
-        def on_train_end(self, args, state, control, **kwargs):  # noqa: ANN001
+        def on_train_end(self, args, state, control, **kwargs):
             self.stop_sampler()
 
         def stop_sampler(self) -> None:
@@ -146,7 +146,7 @@ def _make_callback(spec: ProbeSpec, cuda: bool) -> Any:
                 self.telemetry = self.sampler.stop()
                 self.sampler = None
 
-        def on_log(self, args, state, control, logs=None, **kwargs):  # noqa: ANN001
+        def on_log(self, args, state, control, logs=None, **kwargs):
             loss = (logs or {}).get("loss")
             if loss is None:
                 return
@@ -208,7 +208,7 @@ def _timed_trainer(callback: Any) -> Any:
     from transformers import Trainer
 
     class TimedTrainer(Trainer):
-        def get_batch_samples(self, epoch_iterator, num_batches, device):  # noqa: ANN001, ANN201
+        def get_batch_samples(self, epoch_iterator, num_batches, device):
             start_s = time.perf_counter()
             try:
                 return super().get_batch_samples(epoch_iterator, num_batches, device)
@@ -282,7 +282,7 @@ def run_probe(spec: ProbeSpec) -> ProbeResult:
             trainer = _timed_trainer(callback)(model=model, args=args, train_dataset=dataset, callbacks=[callback])
             trainer.remove_callback(PrinterCallback)  # no printing per step inside the measured window
             trainer.train()
-    except BaseException as exc:  # noqa: BLE001 - every outcome becomes data
+    except BaseException as exc:
         from autotune.probe.device import is_out_of_memory
 
         if isinstance(exc, KeyboardInterrupt):

@@ -35,7 +35,7 @@ def _nvml_info(index: int) -> DeviceInfo | None:
         return None
     try:
         pynvml.nvmlInit()
-    except Exception:  # no driver, no GPU: NVML raises its own error classes
+    except Exception:  # noqa: BLE001 - no driver, no GPU: NVML raises its own error classes
         return None
     try:
         if pynvml.nvmlDeviceGetCount() <= index:

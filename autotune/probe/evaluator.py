@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from autotune.probe.isolation import DEFAULT_MODE, IsolationMode, run_isolated
 from autotune.params import TrialParams
+from autotune.probe.isolation import DEFAULT_MODE, IsolationMode, run_isolated
 from autotune.records import ProbeResult, ProbeSpec
 
 # torch.compile compiles on the first step and may recompile on the second (optimizer, grad

@@ -30,9 +30,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from collections.abc import Iterator
 from multiprocessing import spawn
+from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from autotune.records import ProbeResult, ProbeSpec, ProbeStatus

@@ -17,15 +17,15 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # initialise the CUDA driver in the server (forking after cuInit is undefined behaviour).
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
-import torch  # noqa: E402,F401
-import transformers  # noqa: E402,F401
-from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments  # noqa: E402,F401
+import torch  # noqa: F401
+import transformers  # noqa: F401
+from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments  # noqa: F401
 
-import autotune.data  # noqa: E402,F401
-import autotune.models  # noqa: E402,F401
-import autotune.probe.child  # noqa: E402,F401
-import autotune.probe.device  # noqa: E402,F401
-import autotune.probe.telemetry  # noqa: E402,F401
+import autotune.data
+import autotune.models
+import autotune.probe.child
+import autotune.probe.device
+import autotune.probe.telemetry  # noqa: F401
 
 # The architectures of the built-in models (transformers imports each lazily on first use).
 for _module in ("gpt_neox", "llama", "gpt2"):

@@ -29,7 +29,7 @@ def nvml_used_bytes(index: int | None = None) -> int | None:
         pynvml.nvmlInit()
         handle = pynvml.nvmlDeviceGetHandleByIndex(nvml_index() if index is None else index)
         return int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
-    except Exception:
+    except Exception:  # noqa: BLE001 - NVML raises its own error classes (no driver, no GPU, unsupported field)
         return None
 
 
@@ -68,7 +68,7 @@ class NvmlSampler:
 
             pynvml.nvmlInit()
             self._handle = pynvml.nvmlDeviceGetHandleByIndex(self.index)
-        except Exception:  # no driver, no GPU
+        except Exception:  # noqa: BLE001 - no driver, no GPU: NVML raises its own error classes
             return False
         self._thread = threading.Thread(target=self._run, name="autotune-nvml", daemon=True)
         self._thread.start()
@@ -80,7 +80,7 @@ class NvmlSampler:
         def read(fn: Any) -> Any:
             try:
                 return fn()
-            except Exception:  # a field this GPU does not report
+            except Exception:  # noqa: BLE001 - a field this GPU does not report (NVML raises its own error classes)
                 return None
 
         util = read(lambda: pynvml.nvmlDeviceGetUtilizationRates(self._handle).gpu)

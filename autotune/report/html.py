@@ -18,7 +18,7 @@ import html
 import importlib.resources
 import json
 from datetime import datetime, timezone
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +44,7 @@ def plotly_js_packed() -> str:
     return base64.b64encode(gzip.compress(plotly_js().encode("utf-8"), compresslevel=9, mtime=0)).decode("ascii")
 
 
-@lru_cache(maxsize=None)
+@cache
 def _asset(name: str) -> str:
     """A file of ``assets/`` (the page's CSS and script), read once."""
     return (importlib.resources.files("autotune.report") / "assets" / name).read_text(encoding="utf-8")

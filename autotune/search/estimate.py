@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from autotune.errors import UsageError
-from autotune.search.memory import MemoryModel, ModelDims, activation_bytes_per_sample, static_memory
 from autotune.params import TrialParams
+from autotune.search.memory import MemoryModel, ModelDims, activation_bytes_per_sample, static_memory
 
 
 @dataclass(frozen=True)

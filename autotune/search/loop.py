@@ -47,12 +47,12 @@ import optuna
 
 import autotune.studies as studies
 from autotune.params import TrialParams
-from autotune.records import ProbeResult, ProbeStatus
+from autotune.records import Probe, ProbeResult, ProbeStatus
 from autotune.search.memory import MemoryModel
 from autotune.search.ranking import Configuration, near_ties, rank_configurations
 from autotune.search.strategies.base import SearchState, Strategy
 from autotune.space import SearchSpace
-from autotune.studies import StoredOutcome, StoredProbe
+from autotune.studies import StoredOutcome
 
 StopReason = Literal["budget", "n_trials", "exhausted", "interrupted"]
 
@@ -259,7 +259,7 @@ def run_search(
     outcome = SearchOutcome(stopped_because="budget")
     wall_times_s: list[float] = []
     memory = memory if memory is not None else MemoryModel()
-    history: list[StoredProbe] = studies.stored_probes(study)
+    history: list[Probe] = studies.stored_probes(study)
     memory.observe_all((o.params, o.result) for o in history)
     state = SearchState(space, settings.memory_ceiling_bytes, memory, history, seen, baseline=baseline)
     if strategy is not None:
@@ -269,7 +269,7 @@ def run_search(
 
     def finished(record: TrialRecord) -> None:
         """Bookkeeping after every probe (exploring or re-measuring)."""
-        history.append(StoredProbe(record.number, record.params, record.result))
+        history.append(Probe(record.number, record.params, record.result))
         memory.observe(record.params, record.result)
         outcome.probes_run += 1
         outcome.remeasures += record.remeasure_of is not None

@@ -265,8 +265,8 @@ class MemoryModel:
         if group and len(group.fits) == 1:
             # One point: a sibling group's slope, else the fitted model's through the point.
             (b0, m0), = group.fits.items()
-            slope = self._sibling_slope(params, act)
-            return int(m0 + (batch - b0) * (slope if slope is not None else act * scales[1]))
+            sibling = self._sibling_slope(params, act)
+            return int(m0 + (batch - b0) * (sibling if sibling is not None else act * scales[1]))
         return int(scales[0] * static + batch * act * scales[1])
 
     def _sibling_slope(self, params: TrialParams, act: float) -> float | None:
@@ -305,7 +305,7 @@ class MemoryModel:
         """True when a batch at least as large in the same group was measured under the ceiling."""
         group = self._groups.get(memory_group(params))
         batch = params.per_device_train_batch_size
-        return bool(group) and any(b >= batch and m <= ceiling_bytes for b, m in group.fits.items())
+        return group is not None and any(b >= batch and m <= ceiling_bytes for b, m in group.fits.items())
 
     def prune_reason(self, params: TrialParams, ceiling_bytes: int, *, margin: float = PRUNE_MARGIN) -> str | None:
         """Why ``params`` should not be run (it cannot fit under the ceiling), or ``None``."""

@@ -19,26 +19,13 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from autotune.params import TrialParams
-from autotune.records import ProbeResult
+from autotune.records import Probe
 
 NOISE_BAND_MIN_REL = 0.02  # near-tie floor: see noise_band
 MAX_CONTENDERS = 3  # near-ties re-measured at the end of a search, the best included
-
-
-class Probe(Protocol):
-    """One probe that ran: its trial number, configuration and outcome."""
-
-    @property
-    def number(self) -> int: ...
-
-    @property
-    def params(self) -> TrialParams: ...
-
-    @property
-    def result(self) -> ProbeResult: ...
 
 
 @dataclass(frozen=True)

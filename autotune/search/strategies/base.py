@@ -22,8 +22,9 @@ from typing import Any, ClassVar
 import optuna
 
 from autotune.params import TrialParams
+from autotune.records import Probe
 from autotune.search.memory import MemoryModel
-from autotune.search.ranking import Configuration, Probe, rank_configurations
+from autotune.search.ranking import Configuration, rank_configurations
 from autotune.space import SearchSpace
 
 

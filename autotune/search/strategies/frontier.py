@@ -157,8 +157,8 @@ class FrontierStrategy(Strategy):
         for value in values:
             if value == getattr(incumbent, dim) or not _worth_trying(dim, getattr(incumbent, dim), value):
                 continue
-            moved = _with(state, incumbent, **{dim: value})
-            if dim in GROUP_KEYS:
+            moved: TrialParams | None = _with(state, incumbent, **{dim: value})
+            if dim in GROUP_KEYS and moved is not None:
                 moved = self._at_frontier(state, moved)
                 # Accumulation and workers do not change memory and barely interact with the
                 # group: a group already measured at this batch size is known well enough.
