@@ -165,28 +165,73 @@ def _frame_probes(trials: pd.DataFrame) -> list[Probe]:
     return probes
 
 
-def rank_configurations_frame(trials: pd.DataFrame, memory_ceiling_bytes: int | None) -> pd.DataFrame:
-    """The rows of :meth:`TuneResult.ranked` from a :func:`trials_frame`, ranked by the one rule
-    (:func:`autotune.search.ranking.rank_configurations`)."""
-    columns = [*trials.columns, "n_measurements", "probe_trials"]
-    ranked = rank_configurations(_frame_probes(trials), memory_ceiling_bytes)
-    if not ranked:
+# A configuration that does not fit takes the outcome of its worst probe, in this order.
+_WORST_FIRST = (ProbeStatus.OOM, ProbeStatus.CRASH, ProbeStatus.DIVERGED, ProbeStatus.OK, ProbeStatus.TIMEOUT)
+CONFIG_COLUMNS = ("probe_trials", "n_probes", "n_measurements", "samples_per_s_min", "samples_per_s_max", "spread_rel", "fits", "rank")
+
+
+def configurations_frame(trials: pd.DataFrame, memory_ceiling_bytes: int | None) -> pd.DataFrame:
+    """One row per configuration, in the order of the ranking: what every display shows.
+
+    Configurations that fit (:func:`autotune.search.ranking.rank_configurations`, the one rule)
+    come first, fastest mean first, with ``rank`` 1, 2, ...; then the others by first trial. A row
+    is its first trial's, with ``samples_per_s``, ``tokens_per_s``, ``step_time_s``,
+    ``achieved_tflops`` and ``mfu`` the means over its ok probes, the peak-memory columns and
+    ``step_time_ci95_rel`` the largest, ``status`` its worst probe's outcome (``ok`` when it fits;
+    ``pruned``/``running`` when nothing ran), ``probe_trials`` the trial numbers of its probes,
+    ``n_probes`` how many ran, ``n_measurements`` how many were ok, ``samples_per_s_min``/``max``
+    and ``spread_rel`` ((max - min) / mean) the spread of its ok probes, and ``fits``.
+    Repeats of a measured configuration (not run) and enqueued trials that never started are left out.
+    """
+    columns = [*trials.columns, *CONFIG_COLUMNS]
+    frame = trials[trials["duplicate_of"].isna() & (trials["state"] != "waiting")]
+    if frame.empty:
         return pd.DataFrame(columns=columns)
-    by_trial = trials.set_index("trial", drop=False)
+    ranked = rank_configurations(_frame_probes(frame), memory_ceiling_bytes)
+    rank_of = {c.params.key(): i + 1 for i, c in enumerate(ranked)}
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for position, record in enumerate(frame[list(PARAM_NAMES)].to_dict("records")):
+        try:
+            key = TrialParams.from_dict({k: _py(v) for k, v in record.items() if _py(v) is not None}).key()
+        except (TypeError, ValueError):  # a trial asked before its parameters were stored
+            key = ("trial", position)
+        groups.setdefault(key, []).append(position)
     rows = []
-    for configuration in ranked:
-        probes = by_trial.loc[list(configuration.trials)]
-        row = probes.iloc[0].copy()
+    ran_statuses = set(ProbeStatus.values(ran=True))
+    for key, positions in groups.items():
+        group = frame.iloc[positions].sort_values("trial")
+        ran = group[group["status"].isin(ran_statuses)]
+        ok = ran[ran["status"] == ProbeStatus.OK.value]
+        row = (ran.iloc[0] if not ran.empty else group.iloc[0]).copy()
         for name in _MEAN_COLUMNS:
-            values = pd.to_numeric(probes[name], errors="coerce").dropna()
+            values = pd.to_numeric(ok[name], errors="coerce").dropna()
             row[name] = float(values.mean()) if len(values) else None
         for name in _MAX_COLUMNS:
-            values = pd.to_numeric(probes[name], errors="coerce").dropna()
+            values = pd.to_numeric(ran[name], errors="coerce").dropna()
             row[name] = values.max() if len(values) else None
-        row["n_measurements"] = configuration.n_measurements
-        row["probe_trials"] = configuration.trials
+        speeds = pd.to_numeric(ok["samples_per_s"], errors="coerce").dropna()
+        row["samples_per_s_min"] = float(speeds.min()) if len(speeds) else None
+        row["samples_per_s_max"] = float(speeds.max()) if len(speeds) else None
+        row["spread_rel"] = float((speeds.max() - speeds.min()) / speeds.mean()) if len(speeds) > 1 and speeds.mean() else None
+        row["probe_trials"] = tuple(int(t) for t in ran["trial"])
+        row["n_probes"] = len(ran)
+        row["n_measurements"] = len(ok)
+        row["rank"] = rank_of.get(key)
+        row["fits"] = row["rank"] is not None
+        row["feasible"] = row["fits"]
+        row["is_baseline"] = bool(group["is_baseline"].any())
+        if not ran.empty and not row["fits"]:
+            statuses = set(ran["status"])
+            worst = next((s for s in _WORST_FIRST if s.value in statuses), ProbeStatus(row["status"]))
+            row["status"] = worst.value
+            row["reason"] = ran[ran["status"] == worst.value].iloc[0]["reason"]
+        elif row["fits"]:
+            row["status"] = ProbeStatus.OK.value
         rows.append(row)
-    return pd.DataFrame(rows, columns=columns).reset_index(drop=True)
+    configurations = pd.DataFrame(rows, columns=columns)
+    configurations["_order"] = [(r if r is not None and not pd.isna(r) else len(rows) + 1) for r in configurations["rank"]]
+    configurations = configurations.sort_values(["_order", "trial"], kind="stable").drop(columns=["_order"])
+    return configurations.reset_index(drop=True)
 
 
 @dataclass
@@ -198,6 +243,7 @@ class TuneResult:
     trials: pd.DataFrame
     settings: dict[str, Any] = field(default_factory=dict)
     stopped_because: str | None = None
+    _configurations: tuple[Any, pd.DataFrame] | None = field(default=None, repr=False, compare=False)
 
     # ------------------------------------------------------------------ rankings
 
@@ -205,17 +251,24 @@ class TuneResult:
     def memory_ceiling_bytes(self) -> int | None:
         return self.settings.get("memory_ceiling_bytes")
 
+    def configurations(self) -> pd.DataFrame:
+        """One row per configuration (its probes aggregated), ranked: see :func:`configurations_frame`."""
+        # Computed once per trials frame: best, baseline, speed-up and every display read it.
+        key = (id(self.trials), len(self.trials), self.memory_ceiling_bytes)
+        if self._configurations is None or self._configurations[0] != key:
+            self._configurations = (key, configurations_frame(self.trials, self.memory_ceiling_bytes))
+        return self._configurations[1]
+
     def ranked(self) -> pd.DataFrame:
         """One row per configuration that fits under the ceiling, fastest mean samples/s first.
 
         A configuration's measurements are its probes that ran to an outcome (ok, oom, crash,
         diverged; not repeats, pruned trials or timeouts); it fits when every one of them fits.
-        The row is its first trial's, with ``samples_per_s``, ``tokens_per_s``, ``step_time_s``,
-        ``achieved_tflops`` and ``mfu`` the means over its ok probes, the peak-memory columns and
-        ``step_time_ci95_rel`` the largest, ``n_measurements`` the number of ok probes and
-        ``probe_trials`` their trial numbers.
+        The rows of :meth:`configurations` that fit: the means of their ok probes, ``n_measurements``
+        probes, ``probe_trials`` their trial numbers, ``spread_rel`` their spread.
         """
-        return rank_configurations_frame(self.trials, self.memory_ceiling_bytes)
+        configurations = self.configurations()
+        return configurations[configurations["fits"].astype(bool)].reset_index(drop=True)
 
     @property
     def best(self) -> pd.Series | None:

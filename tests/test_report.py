@@ -37,17 +37,26 @@ def result(shared_study) -> TuneResult:
     return dataclasses.replace(shared_study, trials=shared_study.trials.copy())
 
 
+def _probe_trials(row) -> list[int]:
+    return [int(p.split(":")[0].removeprefix("trial ")) for p in row.probes]
+
+
 def _column(model, key: str) -> list[str]:
     index = [c.key for c in model.columns].index(key)
     return [row.cells[index].text for row in model.rows]
 
 
-def test_one_row_per_trial_ranked_fastest_fitting_first(result) -> None:
+def test_one_row_per_configuration_ranked_fastest_fitting_first(result) -> None:
     model = build_report_model(result)
     assert model.n_trials == len(result.trials) == 12
-    assert sorted(r.trial for r in model.rows) == sorted(result.trials["trial"])
+    configurations = result.configurations()
+    assert model.n_configurations == len(configurations)
+    assert [r.trial for r in model.rows] == [int(t) for t in configurations["trial"]]  # first trial of each
+    assert sorted(t for r in model.rows for t in _probe_trials(r)) == sorted(  # every probe, once
+        int(t) for t in result.trials[result.trials["status"] != "pruned"]["trial"]
+    )
     fitting = [r for r in model.rows if r.outcome == "ok"]
-    assert model.rows[: len(fitting)] == tuple(fitting)  # fitting trials first
+    assert model.rows[: len(fitting)] == tuple(fitting)  # fitting configurations first
     speeds = [float(c.replace(",", "")) for c in _column(model, "samples_per_s")[: len(fitting)]]
     assert speeds == sorted(speeds, reverse=True)
     assert _column(model, "rank")[: len(fitting)] == [str(i) for i in range(1, len(fitting) + 1)]
@@ -59,7 +68,7 @@ def test_one_row_per_trial_ranked_fastest_fitting_first(result) -> None:
 def test_every_outcome_is_counted_and_explained(result) -> None:
     model = build_report_model(result)
     assert set(model.counts) == {"ok", "over_ceiling", "oom", "crash", "timeout", "diverged"}
-    assert sum(model.counts.values()) == model.n_trials
+    assert sum(model.counts.values()) == model.n_configurations
     assert list(model.counts) == [o for o in OUTCOMES if o in model.counts]  # display order
     problems = {p.outcome: p for p in model.problems}
     assert set(problems) == {"over_ceiling", "oom", "crash", "timeout", "diverged"}
@@ -89,7 +98,8 @@ def test_numbers_are_formatted_with_units(result) -> None:
     assert summary["Memory ceiling"] == "12.00 GiB" and summary["Sequence length"] == "128 tokens"
     assert summary["Parameters"] == "1.45 M"
     assert "driver 570.00" in summary["Device details"] and "CUDA 12.8" in summary["Device details"]
-    assert summary["Trials"].startswith("12: ")
+    assert summary["Trials"].startswith("12 ")
+    assert summary["Configurations"].startswith(f"{model.n_configurations}: ")
 
 
 def test_headline_and_speedups(result) -> None:
@@ -296,11 +306,11 @@ def test_run_writes_the_report_when_interrupted(tmp_path, monkeypatch, capsys) -
     assert text.count("<tr class='o-ok") == 3 and "interrupted" in text
 
 
-def test_a_near_tie_is_ranked_by_its_mean_in_the_report_and_the_console(storage) -> None:
+def _tie_study(storage: str) -> TuneResult:
+    """bs 8 at 50; bs 32 at 100 then 96 (mean 98); bs 64 at 99 then 101 (mean 100): the fastest single
+    probe (32's 100.0) is not the best configuration (64's mean 100.0)."""
     import optuna
-    from rich.console import Console
 
-    from autotune.console import ranked_table
     from autotune.search.loop import SearchSettings, run_search
     from autotune.search.strategies.baselines import tpe_sampler as make_sampler
     from autotune.space import parse_space
@@ -312,16 +322,27 @@ def test_a_near_tie_is_ranked_by_its_mean_in_the_report_and_the_console(storage)
     study = optuna.create_study(study_name="tie", storage=storage, direction="maximize", sampler=make_sampler(0))
     study.set_user_attr(STUDY_ATTR, {**settings(space_dict), "memory_ceiling_bytes": 40 * GiB})
     fake = NoisyEvaluator({8: [50.0], 32: [100.0, 96.0], 64: [99.0, 101.0]})
-    run_search(study, parse_space(space_dict).restrict(DEVICE), fake, SearchSettings(memory_ceiling_bytes=40 * GiB), clock=fake.clock)
-    result = load_result("tie", storage)
+    space = parse_space(space_dict).restrict(DEVICE)
+    run_search(study, space, fake, SearchSettings(memory_ceiling_bytes=40 * GiB), baseline=space.baseline(), clock=fake.clock)
+    return load_result("tie", storage)
+
+
+def test_a_near_tie_is_ranked_by_its_mean_in_the_report_and_the_console(storage) -> None:
+    from rich.console import Console
+
+    from autotune.console import ranked_table
+
+    result = _tie_study(storage)
     best = int(result.best["trial"])
     assert result.best["per_device_train_batch_size"] == 64
     model = build_report_model(result)
     assert model.headline.startswith(f"Best: trial {best}, ") and "100.0 samples/s" in model.headline
     assert "the mean of 2 probes" in model.headline
     assert [r.trial for r in model.rows if r.is_best] == [best]  # not the fastest single probe (32's 100.0)
-    flags = _column(model, "flags")
-    assert sum("re-measure of trial" in f for f in flags) == 2
+    assert model.n_configurations == 3 and model.n_trials == 5  # one row per configuration
+    assert _column(model, "n_probes") == ["2", "2", "1"]
+    assert sum("(near-tie re-measure)" in p for r in model.rows for p in r.probes) == 2
+    assert any("101.0 samples/s" in p for p in model.rows[0].probes)  # the row expands to its probes
     console = Console(width=200, record=True)
     console.print(ranked_table(result))
     lines = [line for line in console.export_text().splitlines() if "fp32" in line]
@@ -346,3 +367,40 @@ def test_the_report_counts_the_space_as_the_run_does_under_a_fixed_effective_bat
     summary = dict(build_report_model(result).summary)
     assert summary["Search space"] == f"default ({plan.space.size:,} configurations before pruning)"
     assert summary["Effective batch size"] == "fixed at 64"
+
+
+def test_one_set_of_numbers_in_the_terminal_the_report_the_charts_and_export(storage, capsys) -> None:
+    """With re-measured near-ties, every place that shows the best and its speed-ups shows the same
+    configuration, the same mean and the same ratios."""
+    from rich.console import Console
+
+    from autotune.console import print_summary
+
+    result = _tie_study(storage)
+    best, base = result.best, result.baseline_samples_per_s
+    assert best["per_device_train_batch_size"] == 64 and float(best["samples_per_s"]) == pytest.approx(100.0)
+    assert base == pytest.approx(50.0) and result.speedup == pytest.approx(2.0)  # the baseline is bs 8
+
+    console = Console(width=200, record=True)
+    print_summary(console, result)
+    terminal = console.export_text()
+    assert "100.0 samples/s" in terminal and "2.00x the transformers defaults" in terminal
+
+    model = build_report_model(result)
+    assert "at 100.0 samples/s" in model.headline
+    defaults, largest = model.comparisons
+    assert defaults.speedup == pytest.approx(2.0)
+    assert largest.reference.startswith(f"trial {int(best['trial'])}: ") and largest.speedup == pytest.approx(1.0)  # itself, not its re-measure
+    row = model.rows[0]
+    cells = dict(zip([c.key for c in model.columns], row.cells))
+    assert row.is_best and cells["samples_per_s"].text == "100.0" and cells["vs_baseline"].text == "2.00x"
+    charts = {c.key: c for c in model.charts}
+    points = {(x, round(y, 6)) for series in charts["throughput_vs_batch"].series for x, y in zip(series.x, series.y)}
+    assert (64, 100.0) in points and (32, 98.0) in points and (32, 100.0) not in points  # means, not single probes
+    assert max(y for series in charts["pareto"].series for y in series.y) == pytest.approx(100.0)
+    assert max(charts["history"].series[-1].y) == pytest.approx(100.0)
+
+    assert main(["export", "tie", "--storage", storage, "--format", "python"]) == 0
+    assert "100.0 samples/s" in capsys.readouterr().out
+    assert main(["list", "--storage", storage]) == 0
+    assert "100.0" in capsys.readouterr().out

@@ -97,14 +97,21 @@ def _table_html(model: ReportModel) -> str:
     for r in model.rows:
         classes = [f"o-{r.outcome}"] + (["best"] if r.is_best else []) + (["baseline"] if r.is_baseline else [])
         cells = "".join(
-            f"<td class='{'t' if c.kind in text_kinds else ''}' data-sort='{'' if cell.sort is None else _esc(cell.sort)}'>{_esc(cell.text)}</td>"
+            f"<td class='{'t' if c.kind in text_kinds else ''}' data-sort='{'' if cell.sort is None else _esc(cell.sort)}'>"
+            + (_probes_html(r.probes, cell.text) if c.key == "n_probes" and r.probes else _esc(cell.text)) + "</td>"
             for c, cell in zip(model.columns, r.cells)
         )
         rows.append(f"<tr class='{' '.join(classes)}' data-trial='{r.trial}'>{cells}</tr>")
     if not rows:
         return "<p class='empty'>No trials yet.</p>"
-    return (f"<p class='muted'>{len(rows)} trials; fitting ones ranked fastest first. Click a header to sort.</p>"
+    return (f"<p class='muted'>{len(rows)} configurations ({model.n_trials} trials); the ones that fit ranked by the mean "
+            "of their probes, fastest first. Click a probe count to see its probes, a header to sort.</p>"
             f"<div class='tablewrap'><table id='trials'><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table></div>")
+
+
+def _probes_html(probes: tuple[str, ...], count: str) -> str:
+    """A probe count that expands to one line per probe."""
+    return f"<details><summary>{_esc(count)}</summary>{'<br>'.join(_esc(p) for p in probes)}</details>"
 
 
 def _charts_html(model: ReportModel) -> str:
@@ -162,7 +169,7 @@ def render_html(model: ReportModel) -> str:
 {notice}
 <section id="summary"><h2>Summary</h2>{_summary_html(model)}</section>
 <section id="code"><h2>Use it</h2>{_code_html(model)}</section>
-<section id="table"><h2>All trials</h2>{_table_html(model)}</section>
+<section id="table"><h2>All configurations</h2>{_table_html(model)}</section>
 <section id="charts"><h2>Charts</h2>{_charts_html(model)}</section>
 <section id="problems-section"><h2>What went wrong</h2>{_problems_html(model)}</section>
 <footer>Generated {generated} by autotune {_esc(__version__)} from {_esc(model.generated_note)}.

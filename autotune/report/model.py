@@ -71,6 +71,8 @@ TABLE_COLUMNS: tuple[Column, ...] = (
     Column("dataloader_num_workers", "workers", "int"),
     Column("gradient_checkpointing", "ckpt", "bool"),
     Column("samples_per_s", "samples/s", "rate"),
+    Column("n_probes", "probes", "int"),
+    Column("spread_rel", "spread", "fraction", optional=True),
     Column("tokens_per_s", "tokens/s", "rate"),
     Column("vs_baseline", "vs baseline", "ratio"),
     Column("step_time_s", "step time", "seconds"),
@@ -99,11 +101,14 @@ class Cell:
 
 @dataclass(frozen=True)
 class TableRow:
+    """One configuration: its first trial, outcome and cells; ``probes`` expand it to its probes."""
+
     trial: int
     outcome: str
     cells: tuple[Cell, ...]
     is_best: bool = False
     is_baseline: bool = False
+    probes: tuple[str, ...] = ()  # "trial 3: 76.1 samples/s (re-measure)", one per probe, oldest first
 
 
 @dataclass(frozen=True)
@@ -134,7 +139,7 @@ class ReportModel:
     title: str
     device_kind: str  # "cuda" | "cpu" | "?"
     summary: tuple[tuple[str, str], ...]  # (label, value) pairs
-    counts: dict[str, int]  # outcome -> trials, in OUTCOMES order, zero counts left out
+    counts: dict[str, int]  # outcome -> configurations, in OUTCOMES order, zero counts left out
     headline: str  # the best configuration in a sentence (or why there is none)
     comparisons: tuple[Comparison, ...]
     best_metrics: tuple[tuple[str, str], ...]  # MFU, energy per sample... where measured
@@ -148,10 +153,11 @@ class ReportModel:
     dropped: tuple[str, ...]
     generated_note: str = ""
     regenerate_command: str = ""  # `autotune report ...` that rewrites this file
+    n_trials: int = 0  # trials that ran or were pruned (repeats and waiting ones left out)
     extras: dict[str, Any] = field(default_factory=dict)
 
     @property
-    def n_trials(self) -> int:
+    def n_configurations(self) -> int:
         return len(self.rows)
 
 
@@ -166,40 +172,37 @@ def outcome_of(row: pd.Series) -> str:
     return status if status in OUTCOMES else FAIL
 
 
-def ordered_trials(result: TuneResult) -> pd.DataFrame:
-    """All trials in the order of the ranking: the probes of configurations that fit, best configuration
-    first (:meth:`TuneResult.ranked`, the rule the terminal and the search use), then the other
-    finished probes fastest first (over the ceiling), then the rest by trial number.
-
-    Enqueued trials that never started are left out. Adds the computed columns ``outcome``,
-    ``rank`` (the configuration's rank, shared by its probes) and ``vs_baseline`` (the
-    configuration's mean samples/s over the baseline configuration's).
-    """
-    frame = result.trials
-    frame = frame[frame["state"] != "waiting"].copy()  # enqueued but never started: not a trial yet
+def ordered_configurations(result: TuneResult) -> pd.DataFrame:
+    """Every configuration in the order of the ranking (:meth:`TuneResult.configurations`, the rule the
+    terminal and the search use), with the computed columns ``outcome`` and ``vs_baseline`` (its mean
+    samples/s over the baseline configuration's)."""
+    frame = result.configurations()
     if frame.empty:
-        return frame.assign(outcome=[], rank=[], vs_baseline=[])
+        return frame.assign(outcome=[], vs_baseline=[])
+    frame = frame.copy()
     frame["outcome"] = [outcome_of(row) for _, row in frame.iterrows()]
-    rank_of: dict[int, int] = {}
-    mean_of: dict[int, float] = {}
-    for position, row in enumerate(result.ranked().to_dict("records")):
-        for trial in row["probe_trials"]:
-            rank_of[int(trial)], mean_of[int(trial)] = position + 1, float(row["samples_per_s"])
-    trials = [int(t) for t in frame["trial"]]
-    speeds = pd.to_numeric(frame["samples_per_s"], errors="coerce")
-    frame["rank"] = [rank_of.get(t) for t in trials]
-    finished = frame["outcome"].isin([ProbeStatus.OK.value, OVER_CEILING])
-    frame["_group"] = [0 if t in rank_of else (1 if f else 2) for t, f in zip(trials, finished)]
-    frame["_key"] = [float(rank_of[t]) if t in rank_of else (-s if f and not is_missing(s) else 0.0)
-                     for t, s, f in zip(trials, speeds, finished)]
-    frame = frame.sort_values(["_group", "_key", "trial"], kind="stable")
-    frame = frame.drop(columns=["_group", "_key"]).reset_index(drop=True)
     base = _baseline_speed(result)
     speeds = pd.to_numeric(frame["samples_per_s"], errors="coerce")
-    frame["vs_baseline"] = [
-        mean_of.get(int(t), s) / base if base and not is_missing(s) else None for t, s in zip(frame["trial"], speeds)
-    ]
+    frame["vs_baseline"] = [s / base if base and not is_missing(s) else None for s in speeds]
     return frame
+
+
+def _probe_lines(result: TuneResult, frame: pd.DataFrame) -> dict[int, tuple[str, ...]]:
+    """First trial -> one line per probe of its configuration (what a table row expands to)."""
+    trials = result.trials.set_index("trial", drop=False)
+    lines: dict[int, tuple[str, ...]] = {}
+    for row in frame.to_dict("records"):
+        entries = []
+        for trial in row["probe_trials"]:
+            probe = trials.loc[trial]
+            text = f"trial {trial}: {OUTCOME_LABELS.get(outcome_of(probe), probe['status'])}"
+            if not is_missing(probe["samples_per_s"]):
+                text += f", {format_value('rate', probe['samples_per_s'])} samples/s"
+            if not is_missing(probe.get("remeasure_of")):
+                text += " (near-tie re-measure)"
+            entries.append(text)
+        lines[int(row["trial"])] = tuple(entries)
+    return lines
 
 
 def _baseline_speed(result: TuneResult) -> float | None:
@@ -311,8 +314,10 @@ def training_arguments_code(result: TuneResult) -> str:
 # ---------------------------------------------------------------------------------------- the whole model
 
 
-def _table(frame: pd.DataFrame, best_trial: int | None) -> tuple[tuple[Column, ...], tuple[TableRow, ...]]:
-    """The all-trials table; ``best_trial`` (the best configuration's first trial, by mean) is highlighted."""
+def _table(
+    frame: pd.DataFrame, best_trial: int | None, probes: dict[int, tuple[str, ...]]
+) -> tuple[tuple[Column, ...], tuple[TableRow, ...]]:
+    """The configurations table; ``best_trial`` (the best configuration's first trial) is highlighted."""
     columns = tuple(
         c for c in TABLE_COLUMNS
         if not c.optional or (c.key in frame.columns and frame[c.key].map(lambda v: not is_missing(v)).any())
@@ -327,8 +332,6 @@ def _table(frame: pd.DataFrame, best_trial: int | None) -> tuple[tuple[Column, .
                     words[words.index("numerics drift")] = f"numerics drift ({float(row['loss_drift']):.2g})"
                 if row.get("is_baseline"):
                     words.insert(0, "baseline")
-                if not is_missing(row.get("remeasure_of")):
-                    words.append(f"re-measure of trial {int(row['remeasure_of'])}")
                 cells.append(Cell(", ".join(words), ", ".join(words) or None))
             elif column.key == "outcome":
                 cells.append(Cell(OUTCOME_LABELS.get(row["outcome"], str(row["outcome"])), OUTCOMES.index(row["outcome"]) if row["outcome"] in OUTCOMES else 99))
@@ -336,7 +339,8 @@ def _table(frame: pd.DataFrame, best_trial: int | None) -> tuple[tuple[Column, .
                 value = row.get(column.key)
                 cells.append(Cell(format_value(column.kind, value), sort_key(column.kind, value)))
         rows.append(TableRow(trial=int(row["trial"]), outcome=str(row["outcome"]), cells=tuple(cells),
-                             is_best=best_trial is not None and int(row["trial"]) == best_trial, is_baseline=bool(row.get("is_baseline"))))
+                             is_best=best_trial is not None and int(row["trial"]) == best_trial, is_baseline=bool(row.get("is_baseline")),
+                             probes=probes.get(int(row["trial"]), ())))
     return columns, tuple(rows)
 
 
@@ -357,7 +361,7 @@ def _problems(frame: pd.DataFrame) -> tuple[Problem, ...]:
     return tuple(problems)
 
 
-def _summary(result: TuneResult, frame: pd.DataFrame, counts: dict[str, int]) -> tuple[tuple[str, str], ...]:
+def _summary(result: TuneResult, n_trials: int, counts: dict[str, int]) -> tuple[tuple[str, str], ...]:
     s = result.settings
     device = s.get("device") or {}
     items: list[tuple[str, str]] = [("Model", str(s.get("model", "?")) + (f" ({s['model_source']})" if s.get("model_source") else ""))]
@@ -394,7 +398,8 @@ def _summary(result: TuneResult, frame: pd.DataFrame, counts: dict[str, int]) ->
             used += f" (budget {format_duration(s['budget_s'])})"
         items.append(("Time used", used))
     total = sum(counts.values())
-    items.append(("Trials", f"{total}: " + ", ".join(f"{n} {OUTCOME_LABELS[o]}" for o, n in counts.items()) if total else "none yet"))
+    items.append(("Configurations", f"{total}: " + ", ".join(f"{n} {OUTCOME_LABELS[o]}" for o, n in counts.items()) if total else "none yet"))
+    items.append(("Trials", f"{n_trials} (a configuration is probed again when it is within noise of the best)" if n_trials else "none yet"))
     if result.stopped_because:
         items.append(("Stopped", result.stopped_because))
     versions = s.get("versions") or {}
@@ -424,7 +429,9 @@ def _regenerate_command(result: TuneResult) -> str:
 
 def build_report_model(result: TuneResult) -> ReportModel:
     """Everything the report shows, computed and formatted (no HTML)."""
-    frame = ordered_trials(result)
+    frame = ordered_configurations(result)
+    trials = result.trials[result.trials["state"] != "waiting"]  # enqueued, never started: not a trial yet
+    trials = trials.assign(outcome=[outcome_of(row) for _, row in trials.iterrows()]) if not trials.empty else trials.assign(outcome=[])
     counts = {o: int((frame["outcome"] == o).sum()) for o in OUTCOMES} if not frame.empty else {}
     counts = {o: n for o, n in counts.items() if n}
     settings = result.settings
@@ -469,7 +476,7 @@ def build_report_model(result: TuneResult) -> ReportModel:
     if device_kind == "cpu":
         cpu = "Measured on the CPU: speeds are CPU speeds, shown to demonstrate the report, not GPU results."
         notice = f"{cpu} {notice}".strip()
-    columns, rows = _table(frame, int(best["trial"]) if best is not None else None)
+    columns, rows = _table(frame, int(best["trial"]) if best is not None else None, _probe_lines(result, frame))
     if frame.empty:
         charts: tuple[Chart, ...] = tuple(
             Chart(key=k, title=t, x_title="", y_title="", empty_reason="no trials yet")
@@ -489,7 +496,7 @@ def build_report_model(result: TuneResult) -> ReportModel:
         study_name=result.study_name,
         title=f"autotune: {result.study_name}",
         device_kind=device_kind,
-        summary=_summary(result, frame, counts),
+        summary=_summary(result, len(trials), counts),
         counts=counts,
         headline=headline,
         comparisons=tuple(comparisons),
@@ -500,7 +507,8 @@ def build_report_model(result: TuneResult) -> ReportModel:
         columns=columns,
         rows=rows,
         charts=charts,
-        problems=_problems(frame) if not frame.empty else (),
+        problems=_problems(trials) if not trials.empty else (),
+        n_trials=len(trials),
         dropped=dropped,
         generated_note=f"study {result.study_name!r} in {result.storage}",
         regenerate_command=_regenerate_command(result),
