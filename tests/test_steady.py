@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-from autotune.probe.steady import StopRule, ci95_rel, steps_until_stop, t975
+from autotune.probe.steady import StopRule, ci95_rel, drift_rel, has_jump, steps_until_stop, t975
 
 
 def test_ci95_rel_by_hand() -> None:
@@ -53,3 +53,27 @@ def test_caps_stop_a_series_that_never_settles() -> None:
 def test_never_stops_before_the_minimum() -> None:
     rule = StopRule(min_steps=5, max_steps=10, max_s=0.0)  # even a spent time cap waits for min_steps
     assert not rule.should_stop([1.0] * 4) and rule.should_stop([1.0] * 5)
+
+
+def test_a_stall_is_not_a_steady_state_however_tight_its_interval() -> None:
+    """Three 1.1 s steps during a stall, while the other steps take 0.01 s: tight over the stall alone,
+    but a jump against the last warm-up step (0.01 s) or inside the window; measuring goes on to the
+    cap and the series is flagged."""
+    rule = StopRule(min_steps=3, max_steps=20, max_s=1e9, target_rel=0.02)
+    assert rule.is_stable([1.1, 1.1, 1.1])  # the stall alone looks stable without the warm-up's reference...
+    assert not rule.is_stable([1.1, 1.1, 1.1], reference_step_s=0.010)  # ...not once the warm-up shows the stall
+    stalled = [1.1, 1.1, 1.1] + [0.010] * 30
+    assert steps_until_stop(rule, stalled, reference_step_s=0.010) == 20
+    assert not rule.is_stable(stalled[:20], reference_step_s=0.010)  # a jump inside the window
+    assert has_jump([0.010, 0.010, 1.1, 0.010]) and not has_jump([0.010, 0.0105, 0.0098, 0.010])
+
+
+def test_a_bimodal_or_drifting_series_is_not_stable() -> None:
+    rule = StopRule(min_steps=3, max_steps=100, max_s=1e9, target_rel=0.02)
+    bimodal = [0.10, 0.16, 0.10] * 10  # a step in three 60% slower
+    assert has_jump(bimodal) and not rule.is_stable(bimodal)
+    drifting = [0.100 * (1 + 0.004 * i) for i in range(30)]  # +0.4% a step: +12% over the window
+    assert not has_jump(drifting) and drift_rel(drifting) > 0.04
+    assert not rule.is_stable(drifting)
+    steady = [0.100 + 0.001 * ((i * 7) % 3 - 1) for i in range(30)]
+    assert not has_jump(steady, reference_step_s=0.1) and drift_rel(steady) < 0.01 and rule.is_stable(steady, 0.1)
