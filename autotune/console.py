@@ -117,39 +117,89 @@ def print_header(console: Console, plan: Any, resumed: int) -> None:
         console.print(f"  effective batch size fixed at {ebs}: accumulation = {ebs} / batch size")
 
 
-def ranked_table(result: TuneResult, top: int = 10) -> Table:
-    """The top configurations with samples/s (the mean of its probes: near-ties are probed twice), peak memory
-    and speed-up over the baseline."""
-    table = Table(title=f"Top configurations - {result.study_name}", title_justify="left")
-    for column in ("#", "trial", "batch x accum", "precision", "optim", "compile", "attention", "workers", "ckpt",
-                   "samples/s", "probes", "tokens/s", "peak memory", "vs baseline"):
-        table.add_column(column, justify="right" if column in ("#", "trial", "samples/s", "probes", "tokens/s", "peak memory", "vs baseline", "workers") else "left")
+# The ranked table: every parameter in its own column where the terminal is wide enough; else one
+# "configuration" column (folded over lines, never cut short) and the figures, the least needed
+# figures left out first (the caption names them).
+_WIDE = (
+    ("#", "right"), ("trial", "right"), ("batch x accum", "left"), ("precision", "left"), ("optim", "left"),
+    ("compile", "left"), ("attention", "left"), ("workers", "right"), ("ckpt", "left"), ("samples/s", "right"),
+    ("probes", "right"), ("tokens/s", "right"), ("peak memory", "right"), ("vs baseline", "right"),
+)
+_COMPACT = (("#", "right"), ("configuration", "left"), ("samples/s", "right"), ("vs baseline", "right"),
+            ("peak memory", "right"), ("probes", "right"), ("tokens/s", "right"))
+_COMPACT_DROP_ORDER = ("tokens/s", "probes", "peak memory")
+_MIN_CONFIG_WIDTH = 24  # narrower, "bs16x1 bf16 adamw_torch_fused" folds over too many lines
+
+
+def ranked_table(result: TuneResult, top: int = 10, *, width: int | None = None) -> Table | None:
+    """The top configurations with samples/s (the mean of their probes: near-ties are probed twice),
+    peak memory and speed-up over the baseline; None when no configuration fits.
+
+    In ``width`` characters (None: no limit) no value is cut short: when the columns of every
+    parameter do not fit, one folded configuration column replaces them, and figures that still
+    do not fit are left out and named in the caption.
+    """
+    ranked = result.ranked().head(top)
+    if ranked.empty:
+        return None
     base_sps = result.baseline_samples_per_s
-    for rank, row in result.ranked().head(top).iterrows():
-        marker = " (baseline)" if row["is_baseline"] else ""
-        table.add_row(
-            str(rank + 1),
-            f"{int(row['trial'])}{marker}",
-            f"{int(row['per_device_train_batch_size'])} x {int(row['gradient_accumulation_steps'])}",
-            str(row["precision"]),
-            str(row["optim"]),
-            str(row["torch_compile"]),
-            str(row["attn_implementation"]),
-            str(int(row["dataloader_num_workers"])),
-            "yes" if row["gradient_checkpointing"] else "no",
-            f"{row['samples_per_s']:,.1f}",
-            str(int(row["n_measurements"])),
-            f"{row['tokens_per_s']:,.0f}",
-            format_bytes(row["peak_mem_bytes"]),
-            f"{row['samples_per_s'] / base_sps:.2f}x" if base_sps else "-",
-        )
+    figures = []
+    for rank, row in ranked.iterrows():
+        params = TrialParams.from_dict({k: row[k] for k in TrialParams().to_dict()})
+        figures.append({
+            "#": str(rank + 1),
+            "trial": f"{int(row['trial'])}" + (" (baseline)" if row["is_baseline"] else ""),
+            "batch x accum": f"{params.per_device_train_batch_size} x {params.gradient_accumulation_steps}",
+            "precision": params.precision,
+            "optim": params.optim,
+            "compile": params.torch_compile,
+            "attention": params.attn_implementation,
+            "workers": str(params.dataloader_num_workers),
+            "ckpt": "yes" if params.gradient_checkpointing else "no",
+            "configuration": params.short() + (" (baseline)" if row["is_baseline"] else ""),
+            "samples/s": f"{row['samples_per_s']:,.1f}",
+            "probes": str(int(row["n_measurements"])),
+            "tokens/s": f"{row['tokens_per_s']:,.0f}",
+            "peak memory": format_bytes(row["peak_mem_bytes"]),
+            "vs baseline": f"{row['samples_per_s'] / base_sps:.2f}x" if base_sps else "-",
+        })
+    columns, hidden = _layout(figures, width)
+    caption = f"not shown at this width: {', '.join(hidden)} (widen the terminal, or see the report)" if hidden else None
+    table = Table(title=f"Top configurations - {result.study_name}", title_justify="left", caption=caption, caption_justify="left")
+    for header, justify in columns:
+        table.add_column(header, justify=justify, overflow="fold", no_wrap=header != "configuration",  # type: ignore[arg-type]
+                         min_width=_MIN_CONFIG_WIDTH if header == "configuration" else None)
+    for values in figures:
+        table.add_row(*(values[header] for header, _ in columns))
     return table
+
+
+def _layout(figures: list[dict[str, str]], width: int | None) -> tuple[list[tuple[str, str]], list[str]]:
+    """The columns to show and the figures left out."""
+
+    def needed(columns: tuple[tuple[str, str], ...] | list[tuple[str, str]]) -> int:
+        # rich's box: a space either side of each value and a rule between columns and at both ends
+        return sum(max(len(h), *(len(f[h]) for f in figures)) + 3 for h, _ in columns) + 1
+
+    if width is None or needed(_WIDE) <= width:
+        return list(_WIDE), []
+    columns = list(_COMPACT)
+    hidden: list[str] = []
+    for header in _COMPACT_DROP_ORDER:
+        config = max(len(f["configuration"]) for f in figures)
+        if needed(columns) - config + min(config, _MIN_CONFIG_WIDTH) <= width:
+            break
+        columns = [c for c in columns if c[0] != header]
+        hidden.append(header)
+    return columns, hidden
 
 
 def print_summary(console: Console, result: TuneResult, *, dropped: tuple[Any, ...] = ()) -> None:
     """The ranked table, outcome counts and the best configuration in a sentence."""
     counts = ", ".join(f"{n} {s}" for s, n in sorted(result.counts().items())) or "no trials"
-    console.print(ranked_table(result))
+    table = ranked_table(result, width=console.width)
+    if table is not None:
+        console.print(table)
     console.print(f"Trials: {counts}. Memory ceiling: {format_bytes(result.memory_ceiling_bytes)}.")
     if result.stopped_because:
         console.print(f"Stopped: {result.stopped_because}.")
