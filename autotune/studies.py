@@ -17,6 +17,7 @@ import contextlib
 import datetime
 import os
 import socket
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +47,14 @@ ATTR_REUSABLE = "reusable"  # False: a later run must not reuse this outcome (cu
 ROLE_BASELINE = "baseline"
 
 CONSTRAINT_MEMORY = "memory"  # (peak - ceiling) / ceiling: feasible when <= 0
-_OUTCOME_ATTRS = (ATTR_RESULT, ATTR_STATUS, ATTR_REASON)  # what a repeat copies from the original
+METRIC_NAME = "samples_per_s"  # the objective's name, as optuna-dashboard and Optuna's plots label it
+# Scalar copies of what people sort and filter by, beside the full result (ATTR_RESULT, a JSON
+# object that the dashboard can only show as text).
+SCALAR_RESULT_ATTRS = ("samples_per_s", "tokens_per_s", "peak_mem_bytes", "mfu")
+# Optuna 5 keeps each constraint under "constraints:<name>"; optuna-dashboard (0.21) and Optuna 4's
+# plots read the list under "constraints". Both are written, so every reader sees the memory constraint.
+_LEGACY_CONSTRAINTS_KEY = "constraints"
+_OUTCOME_ATTRS = (ATTR_RESULT, ATTR_STATUS, ATTR_REASON, *SCALAR_RESULT_ATTRS)  # what a repeat copies from the original
 _FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 
 
@@ -127,6 +135,9 @@ def open_or_create(
     existing = study.user_attrs.get(STUDY_ATTR)
     if existing is None:
         study.set_user_attr(STUDY_ATTR, settings)
+        with warnings.catch_warnings():  # "experimental" since Optuna 3.2, and what the dashboard reads
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            study.set_metric_names([METRIC_NAME])
     else:
         for key in must_match:
             if existing.get(key) != settings[key]:
@@ -243,6 +254,11 @@ def enqueue_baseline(study: optuna.Study, optuna_params: dict[str, Any]) -> None
     study.enqueue_trial(optuna_params, user_attrs={ATTR_ROLE: ROLE_BASELINE}, skip_if_exists=True)
 
 
+def _set_memory_constraint(study: optuna.Study, trial: optuna.Trial, value: float) -> None:
+    trial.set_constraint(CONSTRAINT_MEMORY, value)
+    study._storage.set_trial_system_attr(trial._trial_id, _LEGACY_CONSTRAINTS_KEY, [value])
+
+
 def record_outcome(
     study: optuna.Study, trial: optuna.Trial, params: TrialParams, result: ProbeResult, ceiling_bytes: int, *, reusable: bool = True
 ) -> StoredOutcome:
@@ -255,6 +271,10 @@ def record_outcome(
     trial.set_user_attr(ATTR_PARAMS, params.to_dict())
     trial.set_user_attr(ATTR_RESULT, result.to_dict())
     trial.set_user_attr(ATTR_STATUS, result.status.value)
+    for name in SCALAR_RESULT_ATTRS:
+        value = getattr(result, name)
+        if value is not None:
+            trial.set_user_attr(name, value)
     if not reusable:
         trial.set_user_attr(ATTR_REUSABLE, False)
     reason = result.error
@@ -266,12 +286,12 @@ def record_outcome(
     if result.ok:
         peak = result.peak_mem_bytes if result.peak_mem_bytes is not None else 0
         constraint = (peak - ceiling_bytes) / ceiling_bytes
-        trial.set_constraint(CONSTRAINT_MEMORY, constraint)
+        _set_memory_constraint(study, trial, constraint)
         state, value = TrialState.COMPLETE, result.samples_per_s
         study.tell(trial, value)
     elif result.status is ProbeStatus.OOM:
         constraint = 1.0
-        trial.set_constraint(CONSTRAINT_MEMORY, constraint)
+        _set_memory_constraint(study, trial, constraint)
         state = TrialState.PRUNED
         study.tell(trial, state=state)
     else:
@@ -293,7 +313,7 @@ def record_pruned(
     trial.set_user_attr(ATTR_REASON, reason)
     trial.set_user_attr(ATTR_REUSABLE, False)
     constraint = max((predicted_bytes - ceiling_bytes) / ceiling_bytes, 1e-3) if predicted_bytes else 1.0
-    trial.set_constraint(CONSTRAINT_MEMORY, constraint)
+    _set_memory_constraint(study, trial, constraint)
     study.tell(trial, state=TrialState.PRUNED)
     attrs = {ATTR_STATUS: ProbeStatus.PRUNED.value, ATTR_REASON: reason}
     return StoredOutcome(trial.number, TrialState.PRUNED, None, attrs, constraint)
@@ -310,7 +330,7 @@ def record_repeat(study: optuna.Study, trial: optuna.Trial, params: TrialParams,
     for name, value in original.attrs.items():
         trial.set_user_attr(name, value)
     if original.constraint is not None:
-        trial.set_constraint(CONSTRAINT_MEMORY, original.constraint)
+        _set_memory_constraint(study, trial, original.constraint)
     if original.state == TrialState.COMPLETE:
         study.tell(trial, original.value)
     else:
