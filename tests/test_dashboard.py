@@ -16,7 +16,7 @@ import urllib.request
 import pytest
 
 from autotune.api import tune
-from tests.conftest import GiB, FakeEvaluator
+from tests.conftest import FakeEvaluator, GiB
 
 
 def _free_port() -> int:
