@@ -9,6 +9,7 @@ from __future__ import annotations
 
 EXIT_USAGE = 2
 EXIT_NOTHING_FITS = 3
+EXIT_NO_RESULT = 4
 EXIT_INTERRUPTED = 130
 
 
@@ -48,6 +49,12 @@ class NothingFits(AutotuneError):
     """Every configuration tried ran out of memory or exceeded the memory ceiling."""
 
     exit_code = EXIT_NOTHING_FITS
+
+
+class NoResult(AutotuneError):
+    """No probe finished with a measurement: the budget ended first, or every probe crashed, timed out or diverged."""
+
+    exit_code = EXIT_NO_RESULT
 
 
 class ProbeError(AutotuneError):

@@ -16,7 +16,7 @@ import optuna
 import pandas as pd
 
 import autotune.studies as studies
-from autotune.errors import NothingFits
+from autotune.errors import NoResult, NothingFits
 from autotune.params import PARAM_NAMES, TrialParams
 from autotune.records import Probe, ProbeResult, ProbeStatus
 from autotune.search.ranking import rank_configurations
@@ -308,8 +308,8 @@ class TuneResult:
         return float(best["samples_per_s"]) / base
 
     def counts(self) -> dict[str, int]:
-        """Trials by outcome (repeats of a measured configuration not counted)."""
-        frame = self.trials[self.trials["duplicate_of"].isna()]
+        """Trials by outcome (repeats of a measured configuration and enqueued trials never started not counted)."""
+        frame = self.trials[self.trials["duplicate_of"].isna() & (self.trials["state"] != "waiting")]
         return {str(k): int(v) for k, v in frame["status"].value_counts().items()}
 
     # ------------------------------------------------------------------ outputs
@@ -319,10 +319,11 @@ class TuneResult:
 
         Raises:
             NothingFits: if no configuration fit under the memory ceiling.
+            NoResult: if no probe finished at all (the budget ended first, or every probe failed).
         """
         params = self.best_params
         if params is None:
-            raise NothingFits(nothing_fits_message(self))
+            raise no_result_error(self)
         trial_params = TrialParams.from_dict(params)
         kwargs = trial_params.training_arguments_kwargs()
         if self.settings.get("device", {}).get("kind") == "cpu":
@@ -353,22 +354,63 @@ class TuneResult:
         return path
 
 
-def nothing_fits_message(result: TuneResult) -> str:
-    from autotune.units import format_bytes
+def no_result_error(result: TuneResult) -> NothingFits | NoResult:
+    """Why ``result`` has no best configuration, as the error to raise, with advice that can be followed.
+
+    "Nothing fits" (exit 3) only when memory was the reason: a probe ran out of memory, finished
+    over the ceiling, or was pruned as predicted over it. Otherwise nothing finished a probe (exit
+    4): the budget ended first, or every probe crashed, timed out or diverged.
+    """
+    from autotune.space import package_available
+    from autotune.units import format_bytes, format_duration
 
     counts = result.counts()
-    ceiling = format_bytes(result.memory_ceiling_bytes)
-    if counts.get(ProbeStatus.OOM) or counts.get(ProbeStatus.PRUNED) or (counts.get(ProbeStatus.OK) and not len(result.ranked())):
+    ran_over = bool(counts.get(ProbeStatus.OK)) and result.ranked().empty
+    if counts.get(ProbeStatus.OOM) or counts.get(ProbeStatus.PRUNED) or ran_over:
+        ceiling = format_bytes(result.memory_ceiling_bytes)
         smallest = result.trials["per_device_train_batch_size"].min()
-        return (
-            f"nothing fits under the {ceiling} memory ceiling (smallest batch size tried: {smallest}): "
-            "allow gradient_checkpointing: [true] and an 8-bit optimizer (adamw_bnb_8bit) in the space, "
-            "use a shorter --seq-len, or raise --memory-ceiling"
-        )
-    return (
-        f"no configuration finished a probe ({', '.join(f'{n} {s}' for s, n in counts.items()) or 'no trials'}): "
-        "give a larger --budget, or see the reasons with `autotune run --debug`"
+        return NothingFits(f"nothing fits under the {ceiling} memory ceiling (smallest batch size tried: {smallest}): "
+                           + ", ".join(_memory_advice(result, package_available)))
+    summary = ", ".join(f"{n} {s}" for s, n in counts.items()) or "no trial ran"
+    timeouts = result.trials[result.trials["status"] == ProbeStatus.TIMEOUT.value]
+    if result.stopped_because == "budget" and (counts.get(ProbeStatus.TIMEOUT) or not len(result.trials)):
+        longest = pd.to_numeric(timeouts["wall_s"], errors="coerce").max() if not timeouts.empty else None
+        cut = f"; the longest probe ran {format_duration(longest)} before it was cut" if longest and longest == longest else ""
+        return NoResult(f"the budget ended before any probe finished ({summary}{cut}): give a larger --budget")
+    return NoResult(
+        f"no configuration finished a probe ({summary}): see each trial's reason in the report, "
+        "or the traceback with `autotune --debug run ...`"
     )
+
+
+def _memory_advice(result: TuneResult, package_available: Any) -> list[str]:
+    """What could make a configuration fit, naming only changes this study has not tried."""
+    space = (result.settings.get("space") or {}).get("choices") or {}
+    advice = []
+    if True not in space.get("gradient_checkpointing", [True]):
+        advice.append("allow gradient_checkpointing: [true] in the space")
+    optims = space.get("optim", [])
+    device_kind = (result.settings.get("device") or {}).get("kind")
+    if "adafactor" not in optims:
+        advice.append("allow optim adafactor (a factored optimizer state) in the space")
+    if device_kind == "cuda" and not any("8bit" in str(o) for o in optims):
+        if package_available("bitsandbytes"):
+            advice.append("allow an 8-bit optimizer (adamw_bnb_8bit) in the space")
+        else:
+            advice.append("pip install bitsandbytes and allow adamw_bnb_8bit in the space")
+    batches = [b for b in space.get("per_device_train_batch_size", []) if isinstance(b, int)]
+    if batches and min(batches) > 1:
+        advice.append(f"allow per_device_train_batch_size below {min(batches)}")
+    advice.append("use a shorter --seq-len")
+    total = (result.settings.get("device") or {}).get("total_memory_bytes")
+    if total and result.memory_ceiling_bytes and result.memory_ceiling_bytes < total:
+        advice.append("or raise --memory-ceiling")
+    return advice
+
+
+def nothing_fits_message(result: TuneResult) -> str:
+    """The one-line reason there is no best configuration (see :func:`no_result_error`)."""
+    return str(no_result_error(result))
 
 
 def _py(value: Any) -> Any:

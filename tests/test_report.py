@@ -203,7 +203,7 @@ def test_only_failed_trials_still_renders_and_says_so(storage) -> None:
     failed = make_study(storage, "failed", n_trials=4, fail_on={(b, p): "crash" for b in (4, 8, 16, 32, 64) for p in ("fp32", "bf16")})
     model = build_report_model(failed)
     assert set(model.counts) == {"crash"} and model.n_trials == 4
-    assert model.headline.startswith("No configuration fits: ")
+    assert model.headline.startswith("No configuration finished a probe: ")  # crashes, not memory
     assert "Only failed trials" in model.notice
     assert model.training_arguments_code == ""
     assert all(c.empty_reason for c in model.charts)
@@ -279,10 +279,32 @@ def test_cli_errors_are_one_line_exit_2(storage, tmp_path, capsys, monkeypatch, 
     assert not (tmp_path / "missing.db").exists()
 
 
-def test_export_when_nothing_fits_is_exit_3(storage, capsys) -> None:
+def test_export_when_no_probe_finished_is_exit_4(storage, capsys) -> None:
     make_study(storage, "failed", n_trials=2, fail_on={(b, p): "crash" for b in (4, 8, 16, 32, 64) for p in ("fp32", "bf16")})
-    assert main(["export", "failed", "--storage", storage]) == 3
-    assert "no configuration finished a probe" in capsys.readouterr().err
+    assert main(["export", "failed", "--storage", storage]) == 4
+    assert "no configuration finished a probe (2 crash)" in capsys.readouterr().err
+
+
+def test_nothing_fits_is_said_only_for_memory_with_advice_that_can_be_followed(storage, capsys) -> None:
+    """Every probe out of memory: exit 3, and the advice names only what the space does not hold yet."""
+    make_study(storage, "oom", n_trials=3, oom_above_bytes=1, fail_on={})
+    assert main(["export", "oom", "--storage", storage]) == 3
+    err = capsys.readouterr().err
+    assert "nothing fits under the 12.00 GiB memory ceiling" in err and err.count("\n") == 1
+    assert "gradient_checkpointing" not in err and "adafactor" not in err  # both are in this study's space already
+    assert "pip install bitsandbytes and allow adamw_bnb_8bit" in err and "allow per_device_train_batch_size below 4" in err
+
+
+def test_a_budget_that_ends_before_any_probe_finishes_says_so(storage) -> None:
+    from autotune.errors import EXIT_NO_RESULT, NoResult
+    from autotune.results import no_result_error
+
+    result = make_study(storage, "short", n_trials=2, fail_on={(b, p): "timeout" for b in (4, 8, 16, 32, 64) for p in ("fp32", "bf16")})
+    result.stopped_because = "budget"
+    error = no_result_error(result)
+    assert isinstance(error, NoResult) and error.exit_code == EXIT_NO_RESULT
+    assert str(error).startswith("the budget ended before any probe finished (2 timeout") and "give a larger --budget" in str(error)
+    assert "memory" not in str(error) and "checkpointing" not in str(error)
 
 
 def test_run_writes_the_report_when_interrupted(tmp_path, monkeypatch, capsys) -> None:

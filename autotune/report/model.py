@@ -16,6 +16,7 @@ from typing import Any
 
 import pandas as pd
 
+from autotune.errors import NothingFits
 from autotune.params import PARAM_NAMES
 from autotune.records import ProbeStatus
 from autotune.report.charts import (
@@ -27,7 +28,7 @@ from autotune.report.charts import (
     chart_throughput_vs_batch,
 )
 from autotune.report.formatting import Kind, format_count, format_value, is_missing, sort_key
-from autotune.results import TuneResult, nothing_fits_message, short_config
+from autotune.results import TuneResult, no_result_error, short_config
 from autotune.space import SearchSpace
 from autotune.studies import DEFAULT_STORAGE
 from autotune.units import format_bytes, format_duration
@@ -471,7 +472,8 @@ def build_report_model(result: TuneResult) -> ReportModel:
         headline = "This study has no trials yet: run `autotune run` (or wait for the running one) and regenerate the report."
         notice = "Empty study: no trial has run yet."
     else:
-        headline = "No configuration fits: " + nothing_fits_message(result) + "."
+        error = no_result_error(result)
+        headline = ("No configuration fits: " if isinstance(error, NothingFits) else "No configuration finished a probe: ") + f"{error}."
         notice = "Only failed trials: no configuration ran under the memory ceiling."
     if device_kind == "cpu":
         cpu = "Measured on the CPU: speeds are CPU speeds, shown to demonstrate the report, not GPU results."
