@@ -77,3 +77,9 @@ def test_a_bimodal_or_drifting_series_is_not_stable() -> None:
     assert not rule.is_stable(drifting)
     steady = [0.100 + 0.001 * ((i * 7) % 3 - 1) for i in range(30)]
     assert not has_jump(steady, reference_step_s=0.1) and drift_rel(steady) < 0.01 and rule.is_stable(steady, 0.1)
+
+
+def test_a_loose_target_tolerates_proportionally_larger_jumps() -> None:
+    """Whoever accepts a +-1000% interval does not ask for a steady state: a loaded machine's 2x step still stops it."""
+    assert StopRule(min_steps=3, max_steps=12, target_rel=10.0).is_stable([0.1, 0.2, 0.1])
+    assert not StopRule(min_steps=3, max_steps=12, target_rel=0.02).is_stable([0.1, 0.2, 0.1])

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 # A step this much slower (or faster) than the window's median is a jump (a stall, not noise): GPU
 # step times vary by a few percent; 50% is an order of magnitude past that.
 JUMP_REL = 0.5
+JUMP_PER_TARGET = 25.0  # a looser target tolerates proportionally larger jumps: 0.5 at the default +-2%
 DRIFT_MIN_STEPS = 6  # fewer steps than this give halves too short to compare
 DEFAULT_TARGET_REL = 0.02  # +-2% on the mean step time: below the 2% run-to-run spread we accept on a GPU
 
@@ -115,7 +116,7 @@ class StopRule:
         """
         return (
             ci95_rel(step_times_s) <= self.target_rel
-            and not has_jump(step_times_s, reference_step_s)
+            and not has_jump(step_times_s, reference_step_s, max(JUMP_REL, JUMP_PER_TARGET * self.target_rel))
             and drift_rel(step_times_s) <= 2 * self.target_rel
         )
 
