@@ -113,6 +113,18 @@ def checkpointing_field() -> str:
     return "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
 
 
+def fp32_matmul_setting(precision: str) -> str:
+    """``torch.set_float32_matmul_precision``'s setting for a trial of ``precision``.
+
+    TF32 ("high") for a tf32 trial only. fp32 means IEEE fp32 matmuls ("highest"). Under fp16/bf16
+    autocast the matmuls run in 16 bit; what stays in fp32 keeps PyTorch's default, "highest", as
+    in a user's run without torch.compile. The probe sets it before training (transformers and
+    accelerate turn TF32 on for torch.compile behind the label), and the exported code tells the
+    user's run to do the same.
+    """
+    return "high" if precision == "tf32" else "highest"
+
+
 def parse_compile(value: str) -> tuple[str | None, str | None]:
     """``"off"`` -> (None, None); ``"inductor:max-autotune"`` -> ("inductor", "max-autotune")."""
     if value in ("off", "", "false", "none"):

@@ -102,6 +102,10 @@ class ProbeResult:
     peak_allocated_bytes: int | None = None  # CUDA allocator peak allocated
     peak_reserved_bytes: int | None = None  # CUDA allocator peak reserved
     peak_device_used_bytes: int | None = None  # NVML: whole device, context and workspaces included
+    # CUDA: device memory this process uses outside the caching allocator (context, library handles and
+    # kernels), measured after CUDA init and a first matmul; part of peak_mem_bytes.
+    non_allocator_bytes: int | None = None
+    num_alloc_retries: int | None = None  # CUDA: allocator cudaMalloc retries (cache flushed to fit); >0 near the cap
     setup_s: float | None = None  # child start to first training step: imports, model build, Trainer
     warmup_s: float | None = None
     wall_s: float | None = None  # the whole probe as the parent saw it, process start included
@@ -115,12 +119,18 @@ class ProbeResult:
     model_flops_per_token: float | None = None  # 6N + 12·L·H·Q·T, PaLM Appendix B
     achieved_tflops: float | None = None
     mfu: float | None = None  # 0..1; None for a device without a known peak
+    # fp32 matmul precision in force during training, read back from torch ("ieee" | "tf32", torch's
+    # fp32_precision names); picks the MFU peak (autotune.probe.flops.peak_precision).
+    matmul_precision: str | None = None
     # NVML telemetry over the measured window (None on the CPU).
     gpu_util_mean_pct: float | None = None
     gpu_util_peak_pct: float | None = None
     power_mean_w: float | None = None
     sm_clock_mean_mhz: float | None = None
-    energy_per_sample_j: float | None = None
+    energy_per_sample_j: float | None = None  # from the GPU's energy counter over the window
+    telemetry_window_s: float | None = None  # length of the NVML-sampled window
+    # The window was long enough for NVML's ~1 s power/utilisation averages (otherwise those stay None).
+    telemetry_reliable: bool = False
     # Input pipeline.
     input_wait_fraction: float | None = None  # share of the measured window spent waiting for batches
     input_bound: bool = False
@@ -177,11 +187,17 @@ class DeviceInfo:
     compute_capability: tuple[int, int] | None = None
     driver_version: str | None = None
     cuda_version: str | None = None
-    index: int = 0
+    index: int = 0  # cuda:N as the parent sees it: its place in the user's CUDA_VISIBLE_DEVICES list
+    uuid: str | None = None  # NVML UUID (GPU-... or MIG-...) the probes are pinned to; None: the CPU, or an older record
 
     @property
     def is_cuda(self) -> bool:
         return self.kind == "cuda"
+
+    @property
+    def is_mig(self) -> bool:
+        """A MIG compute instance: a slice of a GPU that shares its power and clocks with other slices."""
+        return bool(self.uuid and self.uuid.startswith("MIG-"))
 
     @property
     def supports_bf16(self) -> bool:

@@ -45,6 +45,8 @@ def test_ok_probe_measures_steady_state_throughput() -> None:
     assert result.model_flops_per_token == pytest.approx(_tiny_flops_per_token(32))
     assert result.achieved_tflops == pytest.approx(result.model_flops_per_token * result.tokens_per_s / 1e12)
     assert result.mfu is None and result.gpu_util_mean_pct is None and result.energy_per_sample_j is None
+    assert result.telemetry_window_s is None and not result.telemetry_reliable
+    assert result.non_allocator_bytes is None and result.num_alloc_retries is None  # CUDA-only accounting
     # Fixed cost, apart from the measured window.
     assert result.model_build_s > 0 and result.overhead_s > 0
     window_s = result.step_time_s * result.measured_steps
@@ -96,6 +98,14 @@ def test_deadline_kills_a_probe_as_timeout() -> None:
     result = isolation.run_isolated(_spec(synthetic_sample_delay_s=0.5), timeout_s=0.5)
     assert result.status == "timeout"
     assert result.wall_s < 5
+
+
+def test_fp32_probe_trains_with_ieee_fp32_matmuls() -> None:
+    # Read back from torch just before training: what the trial's precision says, not what a library set.
+    params = TrialParams(per_device_train_batch_size=4, precision="fp32", attn_implementation="sdpa")
+    result = isolation.run_isolated(_spec(params=params), timeout_s=120)
+    assert result.status == "ok", result.error
+    assert result.matmul_precision == "ieee"
 
 
 def test_nan_loss_is_diverged(tmp_path) -> None:
@@ -195,20 +205,67 @@ def _has_cuda() -> bool:
 needs_cuda = pytest.mark.skipif(not _has_cuda(), reason="needs a CUDA GPU")
 
 
+def _gpu_spec(params: TrialParams, **overrides) -> ProbeSpec:
+    from autotune.probe.evaluator import ProbeEvaluator
+
+    evaluator = ProbeEvaluator(model=resolve_model("pythia-160m").to_dict(), seq_len=256, device="cuda:0",
+                               warmup_steps=3, measure_steps=8, max_measure_steps=40)
+    return dataclasses.replace(evaluator.spec_for(params), **overrides)  # compiled trials get their extra warm-up
+
+
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_probe_reports_telemetry_mfu_and_device_memory() -> None:
+    from autotune.probe.telemetry import MIN_TELEMETRY_WINDOW_S
+
     params = TrialParams(per_device_train_batch_size=16, precision="bf16", attn_implementation="sdpa")
-    spec = dataclasses.replace(_spec("pythia-160m", params=params, measure_steps=8, max_measure_steps=40), seq_len=256, device="cuda:0")
-    result = isolation.run_isolated(spec, timeout_s=300)
+    result = isolation.run_isolated(_gpu_spec(params), timeout_s=300)
     assert result.status == "ok", result.error
+    # The window is stretched to the telemetry minimum, so power and utilisation are reported.
+    assert result.telemetry_window_s >= MIN_TELEMETRY_WINDOW_S and result.telemetry_reliable
     assert result.device_name and result.gpu_util_mean_pct is not None and result.gpu_util_peak_pct >= result.gpu_util_mean_pct
     assert result.power_mean_w > 0 and result.sm_clock_mean_mhz > 0 and result.energy_per_sample_j > 0
     assert result.peak_device_used_bytes >= result.peak_reserved_bytes > 0
-    assert result.peak_mem_bytes == result.peak_device_used_bytes
+    assert result.non_allocator_bytes > 0 and result.num_alloc_retries is not None
+    assert result.peak_mem_bytes >= max(result.peak_device_used_bytes, result.non_allocator_bytes + result.peak_reserved_bytes)
+    assert result.matmul_precision == "ieee"
     assert result.achieved_tflops > 0
     if result.mfu is not None:  # a GPU in the peak table
         assert 0 < result.mfu < 1
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_gpu_compiled_probe_runs_the_matmul_precision_it_says(precision) -> None:
+    # transformers turns TF32 on for torch_compile through the new API (and accelerate through the
+    # legacy one for fp32); inductor's legacy getter used to raise on it (bf16) or fp32 ran TF32.
+    params = TrialParams(per_device_train_batch_size=8, precision=precision, torch_compile="inductor", attn_implementation="sdpa")
+    result = isolation.run_isolated(_gpu_spec(params), timeout_s=600)
+    assert result.status == "ok", result.error
+    assert result.matmul_precision == "ieee"  # IEEE fp32 matmuls; bf16's run in bf16 under autocast
+    assert result.achieved_tflops > 0
+    if result.mfu is not None:
+        assert 0 < result.mfu < 1
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_probe_at_its_own_peak_as_the_ceiling_is_never_ok_over_it() -> None:
+    # Measure a configuration's peak, then run it again with exactly that as the ceiling: the
+    # allocator now has less room (the headroom kept for memory outside it), so it either fits
+    # under the ceiling or runs out of memory, and never finishes ok over it.
+    params = TrialParams(per_device_train_batch_size=16, precision="bf16", attn_implementation="sdpa")
+    free = isolation.run_isolated(_gpu_spec(params, seq_len=512), timeout_s=300)
+    assert free.status == "ok", free.error
+    ceiling = free.peak_mem_bytes
+    tight = isolation.run_isolated(_gpu_spec(params, seq_len=512, memory_ceiling_bytes=ceiling), timeout_s=300)
+    assert tight.status in ("ok", "oom"), tight.error
+    assert tight.non_allocator_bytes > 0
+    assert tight.peak_mem_bytes >= tight.non_allocator_bytes + tight.peak_reserved_bytes
+    assert not (tight.ok and tight.peak_mem_bytes > ceiling), (tight.peak_mem_bytes, ceiling)
+    if tight.ok:
+        assert tight.fits(ceiling)
 
 
 @pytest.mark.gpu

@@ -245,10 +245,12 @@ def test_cli_report_export_list(storage, tmp_path, capsys, monkeypatch) -> None:
 
     assert main(["export", "report-test", "--storage", storage, "--format", "python"]) == 0
     code = capsys.readouterr().out
-    assert code.startswith("from transformers import AutoModelForCausalLM, TrainingArguments\n")
+    assert code.startswith("import torch\nfrom transformers import AutoModelForCausalLM, TrainingArguments\n")
+    precision_set = []
     fakes = {"AutoModelForCausalLM": type("Auto", (), {"from_pretrained": staticmethod(lambda name, **kw: (name, kw))}),
-             "TrainingArguments": dict}
-    exec(code.split("\n", 1)[1], fakes)  # valid Python; the fakes stand in for a download and a GPU
+             "TrainingArguments": dict, "torch": type("Torch", (), {"set_float32_matmul_precision": staticmethod(precision_set.append)})}
+    exec(code.split("\n", 2)[2], fakes)  # valid Python; the fakes stand in for a download and a GPU
+    assert precision_set == ["high" if result.best["precision"] == "tf32" else "highest"]  # what the probe measured with
     kwargs = result.best_kwargs()
     assert fakes["model"] == ("tiny-gptneox", {"attn_implementation": kwargs.pop("attn_implementation")})
     assert fakes["args"] == {"output_dir": "trainer_output", **kwargs}

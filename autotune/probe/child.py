@@ -14,6 +14,12 @@ next batch (``get_batch_samples``), NVML telemetry over the measured window
 (:class:`autotune.probe.telemetry.NvmlSampler`), and model FLOPs (:mod:`autotune.probe.flops`). Nothing is saved
 or logged to disk inside the probe.
 
+The trial's fp32 matmul precision is set explicitly just before training (:func:`apply_matmul_precision`),
+whatever transformers and accelerate turned on while the Trainer was built, and read back into the
+result, which takes the MFU peak from it. On CUDA the memory reported against the ceiling counts what
+the process uses outside the caching allocator (:func:`non_allocator_bytes`, :func:`reported_peak_bytes`),
+and the allocator's cap leaves room for it (:func:`allocator_cap_bytes`).
+
 Outcomes are data: an OOM (by type, see :func:`autotune.probe.device.is_out_of_memory`) is ``oom``, a
 NaN/inf loss is ``diverged``, any other exception is ``crash`` with its traceback tail.
 """
@@ -25,9 +31,12 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from autotune.params import fp32_matmul_setting
 from autotune.probe.flops import achieved_tflops, mfu, model_flops_per_token
 from autotune.probe.steady import StopRule, ci95_rel
 from autotune.records import ProbeResult, ProbeSpec, ProbeStatus
@@ -36,6 +45,19 @@ _ERROR_TAIL_CHARS = 2000
 # A trial that waits for its batches more than this share of the measured window is input-bound:
 # a faster input pipeline (more dataloader workers) would make it faster.
 INPUT_BOUND_FRACTION = 0.2
+# Device memory the process still takes outside the caching allocator after its baseline is measured:
+# kernels loaded on first use (CUDA lazy loading, the default since CUDA 12.2: CUDA C++ Programming
+# Guide, "Lazy Loading"), cuBLASLt/cuDNN handles and the workspaces cuBLAS takes with cudaMallocAsync
+# outside PyTorch's allocator for new streams and shapes (CUDA >= 12.2, pytorch#124250), the Triton
+# kernels of a compiled model. The allocator's cap leaves this much room for it under the ceiling.
+NON_ALLOCATOR_HEADROOM_BYTES = 256 * 2**20
+# On CUDA the measured window is stretched to the telemetry's minimum (NVML power and utilisation are
+# ~1 s averages) by at most this many steps; a Trainer step costs milliseconds of host work at least.
+TELEMETRY_MAX_STEPS = 2000
+# The sampler's window opens just after the last warm-up step and closes just after the last measured
+# step (NvmlSampler samples every 50 ms): measure this much longer than the minimum window.
+TELEMETRY_WINDOW_MARGIN_S = 0.25
+_AMP_PRECISIONS = ("fp16", "bf16")
 
 
 class SimulatedOutOfMemory(MemoryError):
@@ -62,15 +84,179 @@ class SyntheticTokens:
         return {"input_ids": tokens, "labels": tokens.clone()}
 
 
-def stop_rule(spec: ProbeSpec) -> StopRule:
-    """The spec's stopping rule; without ``max_measure_steps`` exactly ``measure_steps`` are measured."""
+@dataclass(frozen=True)
+class WindowStopRule(StopRule):
+    """:class:`StopRule` that also measures at least ``min_measure_s``: while less has been measured
+    it keeps going, past ``max_steps`` up to ``window_max_steps``, and never past ``max_s``."""
+
+    min_measure_s: float = 0.0
+    window_max_steps: int = 0
+
+    @property
+    def step_budget(self) -> int:
+        """The most steps this rule can measure (what the Trainer's ``max_steps`` must allow)."""
+        return max(self.max_steps, self.window_max_steps) if self.min_measure_s > 0 else self.max_steps
+
+    def should_stop(self, step_times_s: Sequence[float], *args: Any, **kwargs: Any) -> bool:
+        n = len(step_times_s)
+        short = sum(step_times_s) < min(self.min_measure_s, self.max_s)
+        if short and self.min_steps <= n < self.step_budget:
+            return False
+        return super().should_stop(step_times_s, *args, **kwargs)
+
+
+def stop_rule(spec: ProbeSpec, min_measure_s: float = 0.0) -> WindowStopRule:
+    """The spec's stopping rule; without ``max_measure_steps`` exactly ``measure_steps`` are measured
+    (more only to reach ``min_measure_s``, when that is given)."""
     max_steps = spec.max_measure_steps if spec.max_measure_steps is not None else spec.measure_steps
-    return StopRule(
+    max_steps = max(max_steps, spec.measure_steps)
+    return WindowStopRule(
         min_steps=spec.measure_steps,
-        max_steps=max(max_steps, spec.measure_steps),
+        max_steps=max_steps,
         max_s=spec.max_measure_s,
         target_rel=spec.target_ci_rel,
+        min_measure_s=min_measure_s,
+        window_max_steps=max(max_steps, TELEMETRY_MAX_STEPS) if min_measure_s > 0 else 0,
     )
+
+
+def min_telemetry_window_s() -> float:
+    """The shortest window whose NVML power and utilisation means we report (telemetry's constant)."""
+    from autotune.probe import telemetry
+
+    return float(getattr(telemetry, "MIN_TELEMETRY_WINDOW_S", 2.0))
+
+
+def telemetry_fields(telemetry: Any, samples: int, min_window_s: float) -> dict[str, Any]:
+    """The result's telemetry fields from the window's :class:`~autotune.probe.telemetry.Telemetry`.
+
+    ``samples``: training samples processed in the window. Energy comes from the GPU's energy counter
+    over the window (``energy_j``), not mean power x time: NVML power is a ~1 s average on Hopper, so
+    over a short window it mostly reflects the warm-up. Power and utilisation (also averaged over up
+    to a second) are reported only for a window of at least ``min_window_s``; the SM clock is an
+    instantaneous reading and is always reported.
+    """
+    sampled = telemetry.samples > 0
+    window_s = float(getattr(telemetry, "window_s", 0.0) or 0.0)
+    energy_j = getattr(telemetry, "energy_j", None)
+    reliable = sampled and window_s >= min_window_s
+    return {
+        "gpu_util_mean_pct": telemetry.gpu_util_mean_pct if reliable else None,
+        "gpu_util_peak_pct": telemetry.gpu_util_peak_pct if reliable else None,
+        "power_mean_w": telemetry.power_mean_w if reliable else None,
+        "sm_clock_mean_mhz": telemetry.sm_clock_mean_mhz,
+        "energy_per_sample_j": energy_j / samples if energy_j is not None and energy_j > 0 and samples > 0 else None,
+        "telemetry_window_s": window_s if sampled else None,
+        "telemetry_reliable": reliable,
+    }
+
+
+def apply_matmul_precision(precision: str, cuda: bool) -> str:
+    """Set the fp32 matmul precision the trial's ``precision`` says, consistently for the legacy and
+    the new torch APIs, and return the precision then in force (:func:`matmul_precision_in_force`).
+
+    Called after the Trainer is built and before it trains. For ``torch_compile`` transformers'
+    TrainingArguments turns TF32 on for fp32 and bf16 through the new ``torch.backends.fp32_precision``
+    (transformers#42371) and accelerate sets the legacy ``torch.backends.cuda.matmul.allow_tf32``
+    for fp32 on CUDA: an "fp32" trial would run TF32 matmuls, and inductor's legacy getter
+    ``torch.get_float32_matmul_precision()`` raises after a new-API write it cannot name
+    (pytorch#166387), so every compiled bf16 trial would crash.
+
+    Each step below writes the legacy flag and the new API's leaves together, so the legacy and the
+    new getters agree afterwards, whatever was written before: the new API's generic level first
+    (torch >= 2.9; some releases copy it onto every leaf, so nothing that falls back to it still
+    says TF32), then ``torch.set_float32_matmul_precision``, which sets the legacy value and the CUDA
+    and oneDNN matmul leaves (torch's ``Context::setFloat32MatmulPrecision``), then the legacy cuDNN
+    flag, which sets the cuDNN conv and RNN leaves with it, back to PyTorch's default (TF32 for
+    cuDNN convolutions, as in a user's run; the models here have no convolutions).
+    """
+    import torch
+
+    setting = fp32_matmul_setting(precision)
+    if hasattr(torch.backends, "fp32_precision"):  # the new API (torch >= 2.9)
+        torch.backends.fp32_precision = "tf32" if setting == "high" else "ieee"
+    torch.set_float32_matmul_precision(setting)
+    torch.backends.cudnn.allow_tf32 = True
+    return matmul_precision_in_force(cuda)
+
+
+def matmul_precision_in_force(cuda: bool) -> str:
+    """The internal precision of fp32 matmuls in force now, in the new API's names ("ieee", "tf32",
+    "bf16" on oneDNN only), for the device's matmul backend (cuBLAS, or oneDNN on the CPU).
+
+    Reads the legacy getter too, which inductor calls: a state it cannot name raises here, before
+    training, rather than as an InductorError in the first compiled step.
+    """
+    import torch
+
+    legacy = torch.get_float32_matmul_precision()
+    backend = getattr(torch.backends.cuda if cuda else torch.backends.mkldnn, "matmul", None)
+    new = getattr(backend, "fp32_precision", None)
+    if new in ("ieee", "tf32", "bf16"):
+        return str(new)
+    # torch < 2.9, or a leaf left at "none": the legacy setting ("medium" is TF32 on CUDA, bf16 on oneDNN).
+    return {"highest": "ieee", "high": "tf32"}.get(legacy, "tf32" if cuda else "bf16")
+
+
+def non_allocator_bytes(used_before_cuda_bytes: int | None, used_after_init_bytes: int | None, reserved_bytes: int) -> int | None:
+    """Device memory this process uses outside the caching allocator: NVML's used memory after CUDA
+    init and a first matmul, less NVML's before CUDA init (other processes, driver reservations), less
+    what the allocator holds (``torch.cuda.memory_reserved()``). That is the context, the library
+    handles and the kernels loaded so far. None without NVML."""
+    if used_before_cuda_bytes is None or used_after_init_bytes is None:
+        return None
+    return max(used_after_init_bytes - used_before_cuda_bytes - reserved_bytes, 0)
+
+
+def allocator_cap_bytes(
+    ceiling_bytes: int, used_before_cuda_bytes: int | None, non_allocator: int | None,
+    headroom_bytes: int = NON_ALLOCATOR_HEADROOM_BYTES,
+) -> int:
+    """What the caching allocator may reserve so the whole device stays under ``ceiling_bytes``: the
+    ceiling less what was used before this process (NVML counts it in the peak too), less this
+    process's memory outside the allocator, less headroom for what it takes later."""
+    return max(ceiling_bytes - (used_before_cuda_bytes or 0) - (non_allocator or 0) - headroom_bytes, 0)
+
+
+def reported_peak_bytes(
+    nvml_peak_bytes: int | None, used_before_cuda_bytes: int | None, non_allocator: int | None, max_reserved_bytes: int
+) -> int:
+    """Peak device memory, as the ceiling is checked against: NVML's peak over the probe, or the
+    allocator's peak reserved plus what NVML saw outside it, whichever is larger (NVML is sampled,
+    so it can miss the allocator's peak between two samples)."""
+    accounted = (used_before_cuda_bytes or 0) + (non_allocator or 0) + max_reserved_bytes
+    return max(nvml_peak_bytes or 0, accounted)
+
+
+@dataclass(frozen=True)
+class CudaBaseline:
+    """Device memory around CUDA init: NVML's used before this process's context, and this process's
+    memory outside the caching allocator after init and a first matmul (None without NVML)."""
+
+    used_before_cuda_bytes: int | None
+    non_allocator_bytes: int | None
+
+
+def _init_cuda(spec: ProbeSpec) -> CudaBaseline:
+    """Create the context, measure what it takes outside the allocator, cap the allocator under the ceiling."""
+    import torch
+
+    from autotune.probe.telemetry import nvml_used_bytes
+
+    used_before = nvml_used_bytes()  # before this process has a context
+    x = torch.ones(64, 64, device="cuda")
+    torch.nn.functional.linear(x, x, x[0])  # cuBLAS(Lt) handle and workspace
+    if spec.params.precision in _AMP_PRECISIONS:
+        y = x.to(torch.bfloat16 if spec.params.precision == "bf16" else torch.float16)
+        torch.nn.functional.linear(y, y, y[0])
+    torch.cuda.synchronize()
+    baseline = non_allocator_bytes(used_before, nvml_used_bytes(), int(torch.cuda.memory_reserved()))
+    if spec.memory_ceiling_bytes is not None:
+        cap = allocator_cap_bytes(spec.memory_ceiling_bytes, used_before, baseline)
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(cap / total, 1.0))
+    torch.cuda.reset_peak_memory_stats()
+    return CudaBaseline(used_before_cuda_bytes=used_before, non_allocator_bytes=baseline)
 
 
 def _make_callback(spec: ProbeSpec, cuda: bool) -> Any:
@@ -80,11 +266,13 @@ def _make_callback(spec: ProbeSpec, cuda: bool) -> Any:
     from autotune.probe.device import cpu_peak_rss_bytes
     from autotune.probe.telemetry import NvmlSampler, Telemetry, nvml_used_bytes
 
-    rule = stop_rule(spec)
+    plain_rule = stop_rule(spec)
+    window_rule = stop_rule(spec, min_measure_s=min_telemetry_window_s() + TELEMETRY_WINDOW_MARGIN_S)
 
     class ProbeCallback(TrainerCallback):
-        """Timestamps optimizer steps with the device synchronised; stops once the mean is stable;
-        watches loss, memory and (over the measured window) NVML telemetry."""
+        """Timestamps optimizer steps with the device synchronised; stops once the mean is stable
+        (and, with telemetry, the window is long enough); watches the loss, memory and (over the
+        measured window) NVML telemetry."""
 
         def __init__(self) -> None:
             self.train_begin_s: float | None = None
@@ -92,10 +280,15 @@ def _make_callback(spec: ProbeSpec, cuda: bool) -> Any:
             self.fetch_s: list[float] = []  # per optimizer step: host time blocked fetching its batches
             self.losses: list[float] = []
             self.diverged = False
+            self.diverged_at_step: int | None = None
+            self.non_finite: Any = None  # tensor on the loss's device: non-finite micro-batch losses so far
             self.peak_device_used_bytes: int | None = None
             self.graphs_at_step: list[int] = []  # torch.compile graphs compiled so far, at each step's end
             self.sampler = NvmlSampler() if cuda else None
             self.telemetry = Telemetry(samples=0)
+            self.rule = plain_rule  # the window rule once telemetry is sampling
+            # Steps the Trainer must allow: with telemetry (CUDA) the window may stretch past max_measure_steps.
+            self.step_budget = (window_rule if cuda else plain_rule).step_budget
 
         def step_times_s(self) -> list[float]:
             """Durations of the measured steps (after warm-up), one per optimizer step."""
@@ -109,6 +302,20 @@ def _make_callback(spec: ProbeSpec, cuda: bool) -> Any:
             """Host time blocked fetching batches during the measured steps."""
             return sum(self.fetch_s[spec.warmup_steps : len(self.step_end_s)])
 
+        def count_non_finite(self, loss: Any) -> None:
+            """Count a micro-batch's non-finite loss on its device, without a host sync (read once
+            per optimizer step, in ``on_step_end``, where the device is synchronised anyway)."""
+            if not isinstance(loss, torch.Tensor):
+                return
+            count = torch.isfinite(loss.detach()).logical_not().sum()
+            self.non_finite = count if self.non_finite is None else self.non_finite + count
+
+        def _check_finite(self, control: Any) -> None:
+            if not self.diverged and self.non_finite is not None and int(self.non_finite) > 0:
+                self.diverged = True
+                self.diverged_at_step = len(self.step_end_s)
+                control.should_training_stop = True
+
         def _check_memory(self) -> None:
             if cuda:
                 used = nvml_used_bytes()
@@ -119,10 +326,14 @@ def _make_callback(spec: ProbeSpec, cuda: bool) -> Any:
                     f"peak RSS {cpu_peak_rss_bytes()} B passed the simulated ceiling {spec.memory_ceiling_bytes} B"
                 )
 
+        def _start_sampler(self) -> None:
+            if self.sampler is not None and self.sampler.start():
+                self.rule = window_rule
+
         def on_train_begin(self, args, state, control, **kwargs):
             self.train_begin_s = time.perf_counter()
-            if spec.warmup_steps == 0 and self.sampler is not None:
-                self.sampler.start()
+            if spec.warmup_steps == 0:
+                self._start_sampler()
 
         def on_substep_end(self, args, state, control, **kwargs):
             self._check_memory()
@@ -133,10 +344,12 @@ def _make_callback(spec: ProbeSpec, cuda: bool) -> Any:
             self.step_end_s.append(time.perf_counter())
             self.graphs_at_step.append(compiled_graphs())
             self._check_memory()
-            if len(self.step_end_s) == spec.warmup_steps and self.sampler is not None:
-                self.sampler.start()
-            if len(self.step_end_s) > spec.warmup_steps and rule.should_stop(self.step_times_s()):
+            self._check_finite(control)
+            if len(self.step_end_s) == spec.warmup_steps:
+                self._start_sampler()
+            if len(self.step_end_s) > spec.warmup_steps and self.rule.should_stop(self.step_times_s()):
                 control.should_training_stop = True
+                self.stop_sampler()  # the telemetry window ends with the last measured step
 
         def on_train_end(self, args, state, control, **kwargs):
             self.stop_sampler()
@@ -177,19 +390,6 @@ def _compile_counts(spec: ProbeSpec, callback: Any) -> dict[str, int]:
     return {"compiled_graphs_warmup": at_warmup_end, "compiled_graphs_measured": graphs[-1] - at_warmup_end}
 
 
-def _limit_cuda_memory(ceiling_bytes: int) -> None:
-    """Make the allocator OOM at the ceiling, counting what is already used outside it (context)."""
-    import torch
-
-    from autotune.probe.telemetry import nvml_used_bytes
-
-    torch.zeros(1, device="cuda")  # create the context so NVML sees its footprint
-    total = torch.cuda.get_device_properties(0).total_memory
-    used = nvml_used_bytes() or int(torch.cuda.memory_reserved())
-    budget = max(ceiling_bytes - used, 0)
-    torch.cuda.set_per_process_memory_fraction(min(budget / total, 1.0))
-
-
 def _matmul_params(model: Any) -> int:
     """N of the FLOPs formula: every parameter except input embedding tables; a tied output
     projection is counted (it is a real matmul), once."""
@@ -204,7 +404,8 @@ def _matmul_params(model: Any) -> int:
 
 
 def _timed_trainer(callback: Any) -> Any:
-    """A Trainer that records how long the training loop blocks on ``next()`` for each step's batches."""
+    """A Trainer that records how long the training loop blocks on ``next()`` for each step's batches,
+    and counts non-finite micro-batch losses on the device (divergence, without a host sync)."""
     from transformers import Trainer
 
     class TimedTrainer(Trainer):
@@ -215,7 +416,37 @@ def _timed_trainer(callback: Any) -> Any:
             finally:
                 callback.fetch_s.append(time.perf_counter() - start_s)
 
+        def training_step(self, *args, **kwargs):
+            loss = super().training_step(*args, **kwargs)
+            callback.count_non_finite(loss)
+            return loss
+
     return TimedTrainer
+
+
+def probe_training_arguments(spec: ProbeSpec, output_dir: str, max_steps: int, cuda: bool) -> Any:
+    """The probe's ``TrainingArguments``: the trial's own plus what a probe needs (no saving, no
+    reporting, a loss log every step, no progress bar).
+
+    ``logging_nan_inf_filter`` stays at its default, as in the user's run: its per-micro-batch
+    ``isnan``/``isinf`` check is a host sync that the user's run pays, so the probe pays it too.
+    It replaces a non-finite loss in the logs, so divergence is detected from ``training_step``'s
+    losses instead (``ProbeCallback.count_non_finite``).
+    """
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=output_dir,
+        max_steps=max_steps,
+        use_cpu=not cuda,
+        seed=spec.seed,
+        save_strategy="no",
+        report_to="none",
+        logging_strategy="steps",
+        logging_steps=1,
+        disable_tqdm=True,
+        **spec.params.training_arguments_kwargs(),
+    )
 
 
 def _make_dataset(spec: ProbeSpec, vocab_size: int, length: int) -> Any:
@@ -235,9 +466,11 @@ def run_probe(spec: ProbeSpec) -> ProbeResult:
     device_name = None
     model_build_s = None
     flops_per_token = None
+    baseline: CudaBaseline | None = None
+    matmul_precision: str | None = None
     try:
         import torch
-        from transformers import PrinterCallback, TrainingArguments
+        from transformers import PrinterCallback
         from transformers.utils import logging as hf_logging
 
         from autotune.models import ModelSpec, build_model
@@ -245,10 +478,8 @@ def run_probe(spec: ProbeSpec) -> ProbeResult:
         hf_logging.set_verbosity_error()
         cuda = spec.device.startswith("cuda")
         if cuda:
+            baseline = _init_cuda(spec)
             device_name = torch.cuda.get_device_name(0)
-            if spec.memory_ceiling_bytes is not None:
-                _limit_cuda_memory(spec.memory_ceiling_bytes)
-            torch.cuda.reset_peak_memory_stats()
         params = spec.params
         torch.manual_seed(spec.seed)
         model_spec = ModelSpec.from_dict(spec.model)
@@ -261,26 +492,15 @@ def run_probe(spec: ProbeSpec) -> ProbeResult:
         flops_per_token = model_flops_per_token(
             _matmul_params(model), model_spec.num_layers, model_spec.num_attention_heads, head_dim, spec.seq_len
         )
-        rule = stop_rule(spec)
-        total_steps = spec.warmup_steps + rule.max_steps
-        dataset = _make_dataset(spec, model_spec.vocab_size, total_steps * params.effective_batch_size)
         callback = _make_callback(spec, cuda)
+        total_steps = spec.warmup_steps + callback.step_budget
+        dataset = _make_dataset(spec, model_spec.vocab_size, total_steps * params.effective_batch_size)
         with tempfile.TemporaryDirectory(prefix="autotune-probe-out-") as output_dir:
-            args = TrainingArguments(
-                output_dir=output_dir,
-                max_steps=total_steps,
-                use_cpu=not cuda,
-                seed=spec.seed,
-                save_strategy="no",
-                report_to="none",
-                logging_strategy="steps",
-                logging_steps=1,
-                logging_nan_inf_filter=False,  # a NaN loss must reach us, not be filtered
-                disable_tqdm=True,
-                **params.training_arguments_kwargs(),
-            )
+            args = probe_training_arguments(spec, output_dir, total_steps, cuda)
             trainer = _timed_trainer(callback)(model=model, args=args, train_dataset=dataset, callbacks=[callback])
             trainer.remove_callback(PrinterCallback)  # no printing per step inside the measured window
+            # After the Trainer is built (TrainingArguments and accelerate have set TF32 their way), before it trains.
+            matmul_precision = apply_matmul_precision(params.precision, cuda)
             trainer.train()
     except BaseException as exc:
         from autotune.probe.device import is_out_of_memory
@@ -300,12 +520,13 @@ def run_probe(spec: ProbeSpec) -> ProbeResult:
             setup_s=(callback.train_begin_s - start_s) if callback and callback.train_begin_s else None,
             model_build_s=model_build_s,
             model_flops_per_token=flops_per_token,
-            **_memory_fields(spec, callback),
+            matmul_precision=matmul_precision,
+            **_memory_fields(spec, callback, baseline),
         )
-    return _summarise(spec, callback, start_s, device_name, model_build_s, flops_per_token)
+    return _summarise(spec, callback, start_s, device_name, model_build_s, flops_per_token, baseline, matmul_precision)
 
 
-def _memory_fields(spec: ProbeSpec, callback: Any) -> dict[str, Any]:
+def _memory_fields(spec: ProbeSpec, callback: Any, baseline: CudaBaseline | None) -> dict[str, Any]:
     import torch
 
     from autotune.probe.device import cpu_peak_rss_bytes
@@ -316,21 +537,26 @@ def _memory_fields(spec: ProbeSpec, callback: Any) -> dict[str, Any]:
         sampled = callback.telemetry.mem_used_peak_bytes if callback else None
         if sampled is not None:
             device_used = max(sampled, device_used or 0)
+        used_before = baseline.used_before_cuda_bytes if baseline else None
+        outside = baseline.non_allocator_bytes if baseline else None
+        retries = torch.cuda.memory_stats().get("num_alloc_retries")
         return {
             "peak_allocated_bytes": int(torch.cuda.max_memory_allocated()),
             "peak_reserved_bytes": reserved,
             "peak_device_used_bytes": device_used,
+            "non_allocator_bytes": outside,
+            "num_alloc_retries": int(retries) if retries is not None else None,
             # The ceiling is checked against what runs out: the whole device, context included.
-            "peak_mem_bytes": device_used if device_used is not None else reserved,
+            "peak_mem_bytes": reported_peak_bytes(device_used, used_before, outside, reserved),
         }
     return {"peak_mem_bytes": cpu_peak_rss_bytes()}
 
 
 def _summarise(
     spec: ProbeSpec, callback: Any, start_s: float, device_name: str | None, model_build_s: float | None,
-    flops_per_token: float | None,
+    flops_per_token: float | None, baseline: CudaBaseline | None, matmul_precision: str | None,
 ) -> ProbeResult:
-    memory = _memory_fields(spec, callback)
+    memory = _memory_fields(spec, callback, baseline)
     setup_s = callback.train_begin_s - start_s if callback.train_begin_s else None
     common: dict[str, Any] = {
         "losses": tuple(callback.losses),
@@ -338,12 +564,15 @@ def _summarise(
         "model_build_s": model_build_s,
         "model_flops_per_token": flops_per_token,
         "device_name": device_name,
+        "matmul_precision": matmul_precision,
         **memory,
     }
     if callback.diverged:
-        return ProbeResult(
-            status=ProbeStatus.DIVERGED, error=f"non-finite loss at step {len(callback.losses)}: {callback.losses[-1]}", **common
-        )
+        if callback.diverged_at_step is not None:
+            error = f"non-finite loss at step {callback.diverged_at_step}"
+        else:
+            error = f"non-finite loss at step {len(callback.losses)}: {callback.losses[-1]}"
+        return ProbeResult(status=ProbeStatus.DIVERGED, error=error, **common)
     step_times = callback.step_times_s()
     if len(step_times) < spec.measure_steps:
         return ProbeResult(status=ProbeStatus.CRASH, error=f"training stopped after {len(callback.step_end_s)} steps", **common)
@@ -352,10 +581,8 @@ def _summarise(
     samples_per_step = spec.params.effective_batch_size
     samples_per_s = samples_per_step / step_time_s
     tokens_per_s = samples_per_s * spec.seq_len
-    rule = stop_rule(spec)
     wait_fraction = min(callback.measured_fetch_s() / window_s, 1.0) if window_s > 0 else None
-    telemetry = callback.telemetry
-    energy = telemetry.power_mean_w * window_s / (samples_per_step * len(step_times)) if telemetry.power_mean_w else None
+    telemetry = telemetry_fields(callback.telemetry, samples_per_step * len(step_times), min_telemetry_window_s())
     return ProbeResult(
         status=ProbeStatus.OK,
         samples_per_s=samples_per_s,
@@ -363,15 +590,11 @@ def _summarise(
         step_time_s=step_time_s,
         measured_steps=len(step_times),
         step_time_ci95_rel=_finite_or_none(ci95_rel(step_times)),
-        stable=rule.is_stable(step_times),
+        stable=callback.rule.is_stable(step_times),
         warmup_s=(callback.step_end_s[spec.warmup_steps - 1] - callback.train_begin_s) if spec.warmup_steps else 0.0,
         achieved_tflops=achieved_tflops(flops_per_token, tokens_per_s) if flops_per_token else None,
-        mfu=mfu(flops_per_token, tokens_per_s, device_name, spec.params.precision) if flops_per_token else None,
-        gpu_util_mean_pct=telemetry.gpu_util_mean_pct,
-        gpu_util_peak_pct=telemetry.gpu_util_peak_pct,
-        power_mean_w=telemetry.power_mean_w,
-        sm_clock_mean_mhz=telemetry.sm_clock_mean_mhz,
-        energy_per_sample_j=energy,
+        mfu=mfu(flops_per_token, tokens_per_s, device_name, spec.params.precision, matmul_precision) if flops_per_token else None,
+        **telemetry,
         input_wait_fraction=wait_fraction,
         input_bound=bool(wait_fraction is not None and wait_fraction > INPUT_BOUND_FRACTION),
         extra={"step_times_s": step_times, "torch_threads": _torch_threads(), **_compile_counts(spec, callback)},

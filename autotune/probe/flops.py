@@ -8,9 +8,10 @@ plus backward (4N); the second term is the attention scores and their weighted s
 backward. These are *model* FLOPs: recomputation by activation checkpointing is not counted (that
 would be hardware FLOPs), so a configuration is never rewarded for doing more work.
 
-MFU = achieved model FLOP/s / the device's dense peak for the trial's precision. Peaks come from
-:data:`PEAK_TFLOPS` below; for a device not in the table MFU stays ``None`` (we report the
-achieved TFLOP/s and do not guess a peak).
+MFU = achieved model FLOP/s / the device's dense peak for the precision the matmuls actually ran
+in (:func:`peak_precision`: an "fp32" trial whose fp32 matmuls ran on TF32 tensor cores is bounded
+by the TF32 peak, not the FP32 one). Peaks come from :data:`PEAK_TFLOPS` below; for a device not in
+the table MFU stays ``None`` (we report the achieved TFLOP/s and do not guess a peak).
 """
 
 from __future__ import annotations
@@ -76,6 +77,31 @@ def peak_tflops(device_name: str | None, precision: str) -> float | None:
     return None
 
 
+# torch's names for the internal precision of fp32 matmuls (``torch.backends.<backend>.matmul.fp32_precision``,
+# and the legacy ``torch.get_float32_matmul_precision()`` names) -> the PEAK_TFLOPS column they run at.
+# "bf16" exists on oneDNN (the CPU) only; legacy "medium" means bf16 there but TF32 on CUDA, which
+# has no bf16 mode for fp32 matmuls (torch.set_float32_matmul_precision docs), and the table is GPUs.
+_FP32_MATMUL_COLUMN = {
+    "ieee": "fp32", "highest": "fp32", "tf32": "tf32", "high": "tf32", "medium": "tf32", "bf16": "bf16",
+}
+_AMP_PRECISIONS = ("fp16", "bf16")
+
+
+def peak_precision(precision: str, matmul_precision: str | None) -> str:
+    """The :data:`PEAK_TFLOPS` column that bounds a trial of ``precision`` whose fp32 matmuls ran at
+    ``matmul_precision`` (what torch had in force, e.g. ``"ieee"`` or ``"tf32"``).
+
+    Under fp16/bf16 autocast the matmuls run in 16 bit whatever the fp32 setting, so the trial's own
+    precision decides. For fp32 and tf32 trials the precision in force decides, not the label: a
+    library that turns TF32 on behind the label (transformers does for ``torch_compile``) must not
+    give an "fp32" trial an MFU against the FP32 peak, 7-8x lower on A100/H100. Unknown (None, or
+    a name we do not know): the label.
+    """
+    if precision in _AMP_PRECISIONS:
+        return precision
+    return _FP32_MATMUL_COLUMN.get(matmul_precision or "", precision)
+
+
 def _matches(name: str, key: str) -> bool:
     # "l4" must not match "l40s"; "t4" must not match "rtx 4090": match whole words only.
     words = name.replace("-", " ").replace("_", " ").split()
@@ -88,9 +114,16 @@ def achieved_tflops(flops_per_token: float, tokens_per_s: float) -> float:
     return flops_per_token * tokens_per_s / 1e12
 
 
-def mfu(flops_per_token: float, tokens_per_s: float, device_name: str | None, precision: str) -> float | None:
-    """Model FLOPs utilisation in 0..1, or None for a device/precision without a known peak."""
-    peak = peak_tflops(device_name, precision)
+def mfu(
+    flops_per_token: float, tokens_per_s: float, device_name: str | None, precision: str,
+    matmul_precision: str | None = None,
+) -> float | None:
+    """Model FLOPs utilisation in 0..1, or None for a device/precision without a known peak.
+
+    ``matmul_precision``: the fp32 matmul precision in force (see :func:`peak_precision`); None
+    takes the trial's ``precision`` at its word.
+    """
+    peak = peak_tflops(device_name, peak_precision(precision, matmul_precision))
     if peak is None:
         return None
     return achieved_tflops(flops_per_token, tokens_per_s) / peak

@@ -17,7 +17,7 @@ from typing import Any
 import pandas as pd
 
 from autotune.errors import NothingFits
-from autotune.params import PARAM_NAMES
+from autotune.params import PARAM_NAMES, fp32_matmul_setting
 from autotune.records import ProbeStatus
 from autotune.report.charts import (
     Chart,
@@ -299,7 +299,9 @@ def training_arguments_code(result: TuneResult) -> str:
     best = result.best
     speed = f"{float(best['samples_per_s']):,.1f} samples/s" if best is not None else ""
     device = result.settings.get("device", {}).get("name", "?")
+    precision = str(best["precision"]) if best is not None else "fp32"
     lines = [
+        "import torch",
         "from transformers import AutoModelForCausalLM, TrainingArguments",
         "",
         f"# autotune study {result.study_name!r}: {speed} on {device}",
@@ -308,6 +310,9 @@ def training_arguments_code(result: TuneResult) -> str:
         '    output_dir="trainer_output",',
         *(f"    {k}={_literal(v)}," for k, v in kwargs.items()),
         ")",
+        "# trainer = Trainer(model=model, args=args, ...), then, before trainer.train(), the fp32 matmul precision",
+        "# autotune measured (transformers and accelerate may turn TF32 on for torch.compile behind the label):",
+        f"torch.set_float32_matmul_precision({_literal(fp32_matmul_setting(precision))})",
     ]
     return "\n".join(lines) + "\n"
 

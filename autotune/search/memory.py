@@ -51,7 +51,12 @@ _OPTIM_STATE_BYTES: tuple[tuple[str, float], ...] = (
 )
 _DEFAULT_OPTIM_STATE_BYTES = 8.0
 _AMP_PRECISIONS = ("fp16", "bf16")
-CUDA_CONTEXT_BYTES = 512 * 2**20  # CUDA context + cuBLAS/cuDNN workspaces, outside the allocator
+# Device memory a training process uses outside the caching allocator, as NVML sees it. The context
+# alone is ~400-500 MB with lazy module loading (pytorch#109888); on Hopper with CUDA 12/13 the
+# cuBLAS/cuBLASLt/cuDNN handles, their lazily loaded kernels and the workspaces cuBLAS takes with
+# cudaMallocAsync outside PyTorch's allocator (CUDA >= 12.2, pytorch#124250) add about 1 GB more.
+# A probe measures its own (ProbeResult.non_allocator_bytes); this is the prior before any probe.
+CUDA_CONTEXT_BYTES = 1536 * 2**20
 COMPILE_ACTIVATION_FACTOR = 0.85  # inductor fuses pointwise ops, so fewer intermediates are saved
 GROUP_KEYS = ("precision", "optim", "torch_compile", "attn_implementation", "gradient_checkpointing")
 PRUNE_MARGIN = 0.05  # prune only when predicted over the ceiling by more than this fraction
