@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import optuna
 
@@ -34,9 +34,14 @@ from autotune.studies import DEFAULT_STORAGE
 from autotune.units import format_bytes, parse_bytes, parse_duration_s
 from autotune.version import __version__
 
+if TYPE_CHECKING:
+    from autotune.probe.isolation import IsolationMode
+
 DEFAULT_MODEL = "tiny-gptneox"
 DEFAULT_SEQ_LEN = 512
 CEILING_SAFETY_FRACTION = 0.95  # leave 5% of the device below the ceiling for the user's real run
+# --isolation: how each probe's process starts -> autotune.probe.isolation's mode.
+ISOLATION_MODES: dict[str, IsolationMode] = {"fork": "forkserver", "cold": "cold"}
 # A resumed study must agree on these (the memory ceiling may change; the device is checked by name).
 _MUST_MATCH = ("model_config_sha1", "seq_len", "space", "effective_batch_size", "dataset")
 
@@ -72,6 +77,9 @@ class RunOptions:
         tokenizer: a tokenizer directory or hub id for ``dataset`` (default: the model's).
         strategy: how to search: ``frontier`` (memory model, batch frontier, compile last),
             ``tpe`` (plain Optuna TPE) or ``random``.
+        isolation: how each probe's fresh process starts: ``fork`` from a probe server that has
+            imported torch and transformers once (checked CUDA-clean when it starts; probes start
+            cold if it is not), or ``cold``, a new interpreter per probe (slower, nothing shared).
     """
 
     model: str = DEFAULT_MODEL
@@ -92,6 +100,7 @@ class RunOptions:
     text_column: str = "text"
     tokenizer: str | None = None
     strategy: str = DEFAULT_STRATEGY
+    isolation: str = "fork"
 
     @classmethod
     def of(cls, **values: Any) -> RunOptions:
@@ -126,6 +135,7 @@ class RunPlan:
     measure_steps: int
     dataset: Any = None  # autotune.data.DatasetSpec, or None for synthetic tokens
     strategy: str = DEFAULT_STRATEGY
+    isolation: str = "fork"  # a key of ISOLATION_MODES
 
     def study_attrs(self, command: str | None) -> dict[str, Any]:
         from autotune.models import count_parameters
@@ -191,6 +201,11 @@ def plan_run(options: RunOptions) -> RunPlan:
     from autotune.models import resolve_model
 
     make_strategy(options.strategy)  # an unknown name fails here, before anything is touched
+    if options.isolation not in ISOLATION_MODES:
+        raise UsageError(
+            f"--isolation {options.isolation!r} is not a way to start probes: use fork (the default, from a "
+            "pre-imported probe server) or cold (a new interpreter per probe)"
+        )
     budget_s = parse_duration_s(options.budget) if options.budget is not None else None
     if budget_s is None and options.n_trials is None:
         raise UsageError("give a --budget (e.g. 30m) or --n-trials, or the search never ends")
@@ -249,6 +264,7 @@ def plan_run(options: RunOptions) -> RunPlan:
         measure_steps=options.measure_steps,
         dataset=dataset_spec,
         strategy=options.strategy,
+        isolation=options.isolation,
     )
 
 
@@ -292,7 +308,8 @@ def open_study(plan: RunPlan, command: str | None = None) -> optuna.Study:
 
 
 def plan_evaluator(plan: RunPlan) -> Evaluator:
-    """Real probes for the plan: a fresh child process per trial, on the plan's device."""
+    """Real probes for the plan: a fresh child process per trial, started as ``plan.isolation`` says,
+    pinned to the plan's device (its NVML UUID on a GPU)."""
     from autotune.probe.evaluator import ProbeEvaluator
 
     device = "cpu" if not plan.device.is_cuda else f"cuda:{plan.device.index}"
@@ -305,6 +322,8 @@ def plan_evaluator(plan: RunPlan) -> Evaluator:
         measure_steps=plan.measure_steps,
         seed=plan.settings.seed,
         dataset=plan.dataset.to_dict() if plan.dataset else None,
+        mode=ISOLATION_MODES[plan.isolation],
+        device_uuid=plan.device.uuid if plan.device.is_cuda else None,
     )
 
 
@@ -413,7 +432,7 @@ def tune(
         **options: any field of :class:`RunOptions`: ``budget="30m"``, ``n_trials``, ``space``,
             ``memory_ceiling``, ``effective_batch_size``, ``seq_len``, ``device``, ``storage``,
             ``study``, ``seed``, ``trial_timeout``, ``warmup_steps``, ``measure_steps``,
-            ``dataset``, ``text_column``, ``tokenizer``, ``strategy`` (each documented there).
+            ``dataset``, ``text_column``, ``tokenizer``, ``strategy``, ``isolation`` (each documented there).
 
     Returns:
         The :class:`TuneResult`: ``best_training_arguments()``, ``best_params``, ``baseline``,

@@ -88,6 +88,11 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dataset", default=None, help="train probes on this .jsonl/.csv/.parquet/.txt file (default: synthetic tokens)")
     p.add_argument("--text-column", default="text", help="the dataset's text column (default: text)")
     p.add_argument("--tokenizer", default=None, help="tokenizer dir or hub id for --dataset (default: the model's)")
+    p.add_argument(
+        "--isolation", default="fork",
+        help="how each probe's process starts: fork (from a pre-imported, CUDA-clean probe server) or cold "
+        "(a new interpreter each; slower) (default: fork)",
+    )
     _add_strategy_flag(p)
     p.set_defaults(func=cmd_run)
 

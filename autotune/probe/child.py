@@ -290,6 +290,13 @@ def _make_callback(spec: ProbeSpec, cuda: bool) -> Any:
             # Steps the Trainer must allow: with telemetry (CUDA) the window may stretch past max_measure_steps.
             self.step_budget = (window_rule if cuda else plain_rule).step_budget
 
+        def reference_step_s(self) -> float | None:
+            """The last warm-up step's time (compilation and first allocations are in the earlier
+            ones): a measured window much slower than it started inside a stall (see steady.has_jump)."""
+            if spec.warmup_steps < 2 or len(self.step_end_s) < spec.warmup_steps:
+                return None
+            return self.step_end_s[spec.warmup_steps - 1] - self.step_end_s[spec.warmup_steps - 2]
+
         def step_times_s(self) -> list[float]:
             """Durations of the measured steps (after warm-up), one per optimizer step."""
             if spec.warmup_steps:
@@ -347,7 +354,7 @@ def _make_callback(spec: ProbeSpec, cuda: bool) -> Any:
             self._check_finite(control)
             if len(self.step_end_s) == spec.warmup_steps:
                 self._start_sampler()
-            if len(self.step_end_s) > spec.warmup_steps and self.rule.should_stop(self.step_times_s()):
+            if len(self.step_end_s) > spec.warmup_steps and self.rule.should_stop(self.step_times_s(), self.reference_step_s()):
                 control.should_training_stop = True
                 self.stop_sampler()  # the telemetry window ends with the last measured step
 
@@ -509,7 +516,7 @@ def run_probe(spec: ProbeSpec) -> ProbeResult:
             raise
         if callback is not None:
             callback.stop_sampler()
-        status = ProbeStatus.OOM if is_out_of_memory(exc) else ProbeStatus.CRASH
+        status = ProbeStatus.OOM if is_out_of_memory(exc, cuda=spec.device.startswith("cuda")) else ProbeStatus.CRASH
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         error = message if status is ProbeStatus.OOM else traceback.format_exc()[-_ERROR_TAIL_CHARS:]
         return ProbeResult(
@@ -590,7 +597,7 @@ def _summarise(
         step_time_s=step_time_s,
         measured_steps=len(step_times),
         step_time_ci95_rel=_finite_or_none(ci95_rel(step_times)),
-        stable=callback.rule.is_stable(step_times),
+        stable=callback.rule.is_stable(step_times, callback.reference_step_s()),
         warmup_s=(callback.step_end_s[spec.warmup_steps - 1] - callback.train_begin_s) if spec.warmup_steps else 0.0,
         achieved_tflops=achieved_tflops(flops_per_token, tokens_per_s) if flops_per_token else None,
         mfu=mfu(flops_per_token, tokens_per_s, device_name, spec.params.precision, matmul_precision) if flops_per_token else None,

@@ -25,7 +25,7 @@ class ProbeEvaluator:
 
     model: dict[str, Any]  # ModelSpec.to_dict()
     seq_len: int
-    device: str
+    device: str  # "cpu", or "cuda[:N]" (N: the parent's view, CUDA_VISIBLE_DEVICES applied)
     memory_ceiling_bytes: int | None = None
     warmup_steps: int = 3
     measure_steps: int = 8  # the minimum; measuring goes on until the mean step time is stable
@@ -34,6 +34,8 @@ class ProbeEvaluator:
     max_measure_steps: int = 50
     max_measure_s: float = 30.0
     mode: IsolationMode = DEFAULT_MODE
+    # NVML UUID of the GPU (DeviceInfo.uuid), which the child is pinned to; None: resolved from device.
+    device_uuid: str | None = None
 
     def spec_for(self, params: TrialParams) -> ProbeSpec:
         extra = COMPILE_EXTRA_WARMUP_STEPS if params.torch_compile != "off" else 0
@@ -52,4 +54,4 @@ class ProbeEvaluator:
         )
 
     def evaluate(self, params: TrialParams, *, timeout_s: float) -> ProbeResult:
-        return run_isolated(self.spec_for(params), timeout_s=timeout_s, mode=self.mode)
+        return run_isolated(self.spec_for(params), timeout_s=timeout_s, mode=self.mode, device_uuid=self.device_uuid)

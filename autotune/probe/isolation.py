@@ -7,15 +7,19 @@ group (DataLoader workers, compile workers) is killed.
 
 Two ways to start the child (:data:`IsolationMode`):
 
-* ``forkserver`` (default): a probe server started once per parent process imports torch,
-  transformers and autotune (:mod:`autotune.probe.preload`) and then forks one child per probe. The
-  server is a fresh interpreter that never initialised CUDA, so each forked child is as clean as a
-  cold one, without paying ~seconds of imports per trial.
-* ``cold``: ``python -m autotune.probe.child SPEC.json RESULT.json``, a new interpreter per probe.
+* ``forkserver`` (default; ``--isolation fork``): a probe server started once per parent process
+  imports torch, transformers and autotune (:mod:`autotune.probe.preload`) and then forks one child
+  per probe. The server is a fresh interpreter that must never initialise CUDA (a child forked after
+  that cannot use the GPU), so when it starts, a first forked child reports what CUDA state it
+  inherited (:func:`check_server`); a server that is not clean is not used: every probe of the
+  process then starts cold, with one warning.
+* ``cold`` (``--isolation cold``): ``python -m autotune.probe.child SPEC.json RESULT.json``, a new
+  interpreter per probe.
 
 Either way the child gets its own session (``setsid``), writes its stdout/stderr to a file (the
 tail is the error of a crash), and writes a :class:`ProbeResult` as JSON; the parent adds
-``wall_s`` and ``overhead_s``.
+``wall_s`` and ``overhead_s``. On a GPU the child sees exactly one device, the one the parent
+resolved (:func:`autotune.probe.device.detect_device`), by its NVML UUID (:func:`child_env`).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import multiprocessing
 import os
 import signal
@@ -31,6 +36,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from multiprocessing import spawn
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -42,6 +48,21 @@ DEFAULT_MODE: IsolationMode = "forkserver"
 PRELOAD_MODULES = ["autotune.probe.preload"]
 
 _STDERR_TAIL_CHARS = 2000
+_SELF_TEST_TIMEOUT_S = 120.0  # the self-test child only reads two flags (the server's imports finish before it forks)
+
+# The variables torchrun sets in each worker (torch.distributed.run documentation, "Environment
+# Variables"), and those accelerate also reads to find an MPI launch (accelerate/state.py,
+# PartialState). A probe started from inside such a job would otherwise see itself as one rank of
+# it, and accelerate would set up a process group (NCCL on a GPU) for a one-process probe.
+DISTRIBUTED_ENV_VARS = (
+    "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK",
+    "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE",
+    "MASTER_ADDR", "MASTER_PORT",
+    "PMI_RANK", "PMI_SIZE",
+)
+DISTRIBUTED_ENV_PREFIXES = ("TORCHELASTIC_", "OMPI_COMM_WORLD_", "MV2_COMM_WORLD_")
+
+_log = logging.getLogger(__name__)
 
 
 class _Child(Protocol):
@@ -88,6 +109,15 @@ class _ColdChild:
         self.proc.wait()
 
 
+def _set_environ(env: dict[str, str]) -> None:
+    """Make this process's environment exactly ``env``: a forked child inherits the server's, which
+    dates from the server's start and may hold variables (RANK, an old CUDA_VISIBLE_DEVICES) the
+    child must not see."""
+    for key in set(os.environ) - set(env):
+        del os.environ[key]
+    os.environ.update(env)
+
+
 def _forked_main(spec_path: str, result_path: str, log_path: str, env: dict[str, str]) -> None:
     """The probe child forked from the server: own session, output to a file, run, write the result."""
     os.setsid()
@@ -95,11 +125,11 @@ def _forked_main(spec_path: str, result_path: str, log_path: str, env: dict[str,
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
-    os.environ.update(env)  # before anything initialises CUDA: CUDA_VISIBLE_DEVICES pins the GPU
+    _set_environ(env)  # before anything initialises CUDA: CUDA_VISIBLE_DEVICES pins the GPU
     import torch
 
     if getattr(torch.cuda, "_is_in_bad_fork", lambda: False)():
-        raise RuntimeError("the probe server initialised CUDA before forking: use mode='cold' and report this")
+        raise RuntimeError("the probe server initialised CUDA before forking: use --isolation cold and report this")
     from autotune.probe.child import main
 
     main([spec_path, result_path])
@@ -111,27 +141,93 @@ def _server_context() -> Any:
     return context
 
 
-_server_ready = False
+def _report_server_cuda(report_path: str) -> None:
+    """Runs in a child forked from the server: the CUDA state it inherited, as JSON.
+
+    torch marks a process forked after it initialised CUDA as a bad fork (``_is_in_bad_fork``;
+    torch/csrc/cuda/Module.cpp registers that at CUDA init), and the module flag
+    ``torch.cuda._initialized`` is inherited as the server left it (``is_initialized()`` itself
+    reads False in a bad fork).
+    """
+    import torch
+
+    state = {
+        "bad_fork": bool(getattr(torch.cuda, "_is_in_bad_fork", lambda: False)()),
+        "initialized": bool(getattr(torch.cuda, "_initialized", False)),
+    }
+    Path(report_path).write_text(json.dumps(state), encoding="utf-8")
 
 
-def _noop() -> None:
-    pass
+def _probe_server_cuda() -> dict[str, Any]:
+    """Start the probe server (once per process; this waits for its imports) and fork one child
+    from it that reports the CUDA state it inherited.
+
+    Raises:
+        RuntimeError: the server or the child failed, or the child wrote no report in time.
+    """
+    context = _server_context()
+    with tempfile.TemporaryDirectory(prefix="autotune-server-check-") as tmp:
+        report = Path(tmp) / "cuda.json"
+        with _without_main_module():
+            child = context.Process(target=_report_server_cuda, args=(str(report),), name="autotune-probe-server-check")
+            child.start()  # returns once the server has finished its imports and forked
+        child.join(_SELF_TEST_TIMEOUT_S)
+        if child.exitcode is None:
+            child.kill()
+            child.join()
+            raise RuntimeError(f"its self-test did not finish in {_SELF_TEST_TIMEOUT_S:.0f} s")
+        if child.exitcode != 0 or not report.exists():
+            raise RuntimeError(f"its self-test exited with code {child.exitcode} without a report")
+        return dict(json.loads(report.read_text(encoding="utf-8")))
 
 
-def start_server() -> None:
+@dataclass(frozen=True)
+class ServerCheck:
+    """Whether probes may fork from the probe server, and why not."""
+
+    clean: bool
+    reason: str = ""
+
+
+_server_check: ServerCheck | None = None
+
+
+def check_server() -> ServerCheck:
+    """Start the probe server and self-test it, once per parent process; the verdict is kept.
+
+    A server that is not CUDA-clean (or did not start) is never forked from: the caller starts
+    probes cold instead, and one warning says so.
+    """
+    global _server_check
+    if _server_check is not None:
+        return _server_check
+    try:
+        state = _probe_server_cuda()
+    except Exception as exc:  # noqa: BLE001 - whatever stops the server stops forking, not the run
+        check = ServerCheck(False, "it did not start cleanly: " + " ".join(str(exc).split()))  # one line
+    else:
+        if state.get("bad_fork") or state.get("initialized"):
+            check = ServerCheck(False, f"CUDA was initialised in it before it forked ({json.dumps(state, sort_keys=True)})")
+        else:
+            check = ServerCheck(True)
+    if not check.clean:
+        _log.warning(
+            "autotune: the probe server is not usable (%s): every probe starts cold instead "
+            "(a few seconds more per probe, same measurements); --isolation cold skips the server", check.reason,
+        )
+    _server_check = check
+    return check
+
+
+def start_server() -> bool:
     """Start the probe server and wait until it has imported everything, so no trial pays for it.
 
-    The server starts at most once per parent process; later calls return at once.
+    The server starts and is checked at most once per parent process; later calls return at once.
+
+    Returns:
+        Whether probes can fork from it (see :func:`check_server`).
     """
-    global _server_ready
-    if _server_ready:
-        return
-    context = _server_context()
-    with _without_main_module():
-        warm_up = context.Process(target=_noop, name="autotune-probe-server-warm-up")
-        warm_up.start()  # returns once the server has finished its imports and forked
-    warm_up.join()
-    _server_ready = True
+    return check_server().clean
 
 
 @contextlib.contextmanager
@@ -194,11 +290,43 @@ def _tail(path: Path) -> str:
         return ""
 
 
-def child_env(spec: ProbeSpec) -> dict[str, str]:
-    """The child's environment: the user's, pinned to one GPU, with libraries kept quiet."""
-    env = dict(os.environ)
-    if spec.device.startswith("cuda:"):
-        env["CUDA_VISIBLE_DEVICES"] = spec.device.split(":", 1)[1]
+def _is_distributed_var(name: str) -> bool:
+    return name in DISTRIBUTED_ENV_VARS or name.startswith(DISTRIBUTED_ENV_PREFIXES)
+
+
+_uuid_cache: dict[tuple[str, str | None, str | None], str] = {}
+
+
+def resolve_device_uuid(device: str) -> str:
+    """The NVML UUID of ``cuda[:N]`` as this process sees it (``CUDA_VISIBLE_DEVICES`` applied), resolved once.
+
+    Raises:
+        DeviceError: no such GPU (see :func:`autotune.probe.device.detect_device`).
+    """
+    from autotune.errors import DeviceError
+    from autotune.probe.device import detect_device
+
+    key = (device, os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("CUDA_DEVICE_ORDER"))
+    if key not in _uuid_cache:
+        uuid = detect_device(device).uuid
+        if uuid is None:
+            raise DeviceError(f"--device {device}: NVML reports no UUID for it: use --device cpu")
+        _uuid_cache[key] = uuid
+    return _uuid_cache[key]
+
+
+def child_env(spec: ProbeSpec, device_uuid: str | None = None) -> dict[str, str]:
+    """The child's environment: the user's, pinned to one GPU, out of any distributed job, with libraries kept quiet.
+
+    On a GPU the child sees one device, named by its NVML UUID (``device_uuid``, else resolved from
+    ``spec.device``), so it is always ``cuda:0`` there, and NVML finds the same GPU by that UUID.
+    ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` makes the child's CUDA and NVML number GPUs alike, should
+    anything in it count them.
+    """
+    env = {key: value for key, value in os.environ.items() if not _is_distributed_var(key)}
+    if spec.device.startswith("cuda"):
+        env["CUDA_VISIBLE_DEVICES"] = device_uuid or resolve_device_uuid(spec.device)
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("TRANSFORMERS_VERBOSITY", "error")
     env.setdefault("PYTHONWARNINGS", "ignore")
@@ -215,7 +343,12 @@ def fixed_overhead_s(result: ProbeResult) -> float | None:
 
 
 def run_isolated(
-    spec: ProbeSpec, *, timeout_s: float, python: str = sys.executable, mode: IsolationMode = DEFAULT_MODE
+    spec: ProbeSpec,
+    *,
+    timeout_s: float,
+    python: str = sys.executable,
+    mode: IsolationMode = DEFAULT_MODE,
+    device_uuid: str | None = None,
 ) -> ProbeResult:
     """Run ``spec`` in a new process and return its result; never raises for a failed probe.
 
@@ -223,7 +356,10 @@ def run_isolated(
         spec: the probe to run.
         timeout_s: wall-clock deadline for the whole child, start-up included.
         python: interpreter to run a ``cold`` child with.
-        mode: ``forkserver`` (fork from a pre-imported probe server) or ``cold`` (a new interpreter).
+        mode: ``forkserver`` (fork from a pre-imported probe server; cold when the server failed its
+            self-test) or ``cold`` (a new interpreter).
+        device_uuid: the NVML UUID of the GPU to run on (:attr:`DeviceInfo.uuid`); None: resolved
+            from ``spec.device`` (``cuda:N`` as this process sees it).
 
     Returns:
         The child's :class:`ProbeResult` with ``wall_s`` and ``overhead_s`` set; ``timeout`` if the
@@ -231,18 +367,20 @@ def run_isolated(
 
     Raises:
         KeyboardInterrupt: after killing the child, so the caller can stop cleanly.
+        DeviceError: ``spec.device`` names no GPU here (only when ``device_uuid`` is None).
     """
+    env = child_env(spec, device_uuid)
     child_spec = spec
     if spec.device.startswith("cuda:"):
-        child_spec = dataclasses.replace(spec, device="cuda")
+        child_spec = dataclasses.replace(spec, device="cuda")  # the one GPU the child sees
     with tempfile.TemporaryDirectory(prefix="autotune-probe-") as tmp:
         folder = Path(tmp)
         spec_path, result_path, log_path = folder / "spec.json", folder / "result.json", folder / "output.txt"
         spec_path.write_text(child_spec.to_json(), encoding="utf-8")
-        if mode == "forkserver":
-            start_server()  # once per parent process; not charged to this trial's deadline or overhead
+        if mode == "forkserver" and not start_server():  # once per process; not charged to this trial
+            mode = "cold"
         start_s = time.monotonic()
-        child = _launch(mode, spec_path, result_path, log_path, child_env(spec), python)
+        child = _launch(mode, spec_path, result_path, log_path, env, python)
         try:
             returncode = child.wait(timeout_s)
         except BaseException:

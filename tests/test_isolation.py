@@ -1,0 +1,272 @@
+"""How a probe's process starts: the probe server's CUDA self-test and the cold fallback, the child's
+environment (its one GPU by UUID, no distributed job), and --isolation from the CLI to the evaluator."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from autotune.models import resolve_model
+from autotune.params import TrialParams
+from autotune.probe import device, isolation
+from autotune.records import ProbeResult, ProbeSpec
+from tests.test_device import FakeNvml, gpu_uuid
+
+DISTRIBUTED = {
+    "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "10.0.0.1",
+    "MASTER_PORT": "29500", "GROUP_RANK": "0", "ROLE_RANK": "3", "TORCHELASTIC_RUN_ID": "job", "OMPI_COMM_WORLD_SIZE": "8",
+}
+
+
+def _spec(device_name: str = "cpu") -> ProbeSpec:
+    return ProbeSpec(model=resolve_model("tiny-gptneox").to_dict(), params=TrialParams(per_device_train_batch_size=4),
+                     seq_len=32, device=device_name, warmup_steps=1, measure_steps=3)
+
+
+# ---- the child's environment ------------------------------------------------------------------------
+
+
+def test_child_env_pins_the_uuid_and_leaves_the_distributed_job(monkeypatch) -> None:
+    for key, value in DISTRIBUTED.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    monkeypatch.setenv("MY_SETTING", "kept")
+    env = isolation.child_env(_spec("cuda:0"), device_uuid=gpu_uuid(3))
+    assert env["CUDA_VISIBLE_DEVICES"] == gpu_uuid(3) and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert not set(DISTRIBUTED) & set(env)
+    assert env["MY_SETTING"] == "kept" and env["TOKENIZERS_PARALLELISM"] == "false"
+
+
+def test_child_env_resolves_the_users_gpu_when_not_given(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml().module())
+    monkeypatch.setattr(device, "_torch_has_cuda", lambda: True)
+    monkeypatch.setattr(isolation, "_uuid_cache", {})
+    monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,0")
+    # cuda:1 of a process that sees GPUs 2 and 0 is physical GPU 0, never "CUDA_VISIBLE_DEVICES=1".
+    assert isolation.child_env(_spec("cuda:1"))["CUDA_VISIBLE_DEVICES"] == gpu_uuid(0)
+    assert isolation.child_env(_spec("cuda"))["CUDA_VISIBLE_DEVICES"] == gpu_uuid(2)
+
+
+def test_a_cpu_probe_keeps_the_visible_devices_but_not_the_job(monkeypatch) -> None:
+    for key, value in DISTRIBUTED.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
+    env = isolation.child_env(_spec("cpu"))  # no GPU to resolve: NVML is not asked
+    assert env["CUDA_VISIBLE_DEVICES"] == "" and "CUDA_DEVICE_ORDER" not in env
+    assert not set(DISTRIBUTED) & set(env)
+
+
+def test_a_forked_child_drops_what_the_server_had_but_the_child_env_has_not(monkeypatch) -> None:
+    monkeypatch.setenv("RANK", "3")  # in the server's copy, from the parent at the time it started
+    env = {key: value for key, value in os.environ.items() if key != "RANK"}
+    env["CUDA_VISIBLE_DEVICES"] = gpu_uuid(1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    isolation._set_environ(env)
+    assert "RANK" not in os.environ and os.environ["CUDA_VISIBLE_DEVICES"] == gpu_uuid(1)
+
+
+def test_the_evaluator_passes_its_uuid_and_mode(monkeypatch) -> None:
+    from autotune.probe import evaluator as evaluator_module
+    from autotune.probe.evaluator import ProbeEvaluator
+
+    seen = {}
+
+    def fake_run(spec, **kwargs):
+        seen.update(kwargs, device=spec.device)
+        return ProbeResult(status="crash", error="fake")
+
+    monkeypatch.setattr(evaluator_module, "run_isolated", fake_run)
+    probe = ProbeEvaluator(model=resolve_model("tiny-gptneox").to_dict(), seq_len=32, device="cuda:1", mode="cold",
+                           device_uuid=gpu_uuid(0))
+    probe.evaluate(TrialParams(per_device_train_batch_size=4), timeout_s=60)
+    assert seen == {"timeout_s": 60, "mode": "cold", "device_uuid": gpu_uuid(0), "device": "cuda:1"}
+
+
+# ---- the probe server's self-test ---------------------------------------------------------------
+
+
+def test_the_server_self_test_passes_on_a_clean_server(monkeypatch) -> None:
+    monkeypatch.setattr(isolation, "_server_check", None)
+    state = isolation._probe_server_cuda()  # starts the server if this process has none yet
+    assert state == {"bad_fork": False, "initialized": False}
+    assert isolation.check_server() == isolation.ServerCheck(clean=True)
+    assert isolation.start_server()
+
+
+class _WritesOk:
+    """A probe child that at once writes an ok result: what the launcher was asked for is the point."""
+
+    pid = 0
+
+    def __init__(self, result_path: Path) -> None:
+        result_path.write_text(json.dumps(ProbeResult(status="ok").to_dict()), encoding="utf-8")
+
+    def wait(self, timeout_s: float) -> int:
+        return 0
+
+    def kill_group(self) -> None:
+        pass
+
+
+def _record_launches(monkeypatch) -> list[str]:
+    modes: list[str] = []
+
+    def launch(mode, spec_path, result_path, log_path, env, python):
+        modes.append(mode)
+        return _WritesOk(result_path)
+
+    monkeypatch.setattr(isolation, "_launch", launch)
+    return modes
+
+
+@pytest.mark.parametrize(
+    ("report", "reason"),
+    [
+        ({"bad_fork": False, "initialized": True}, "CUDA was initialised in it"),
+        ({"bad_fork": True, "initialized": False}, "CUDA was initialised in it"),
+        (RuntimeError("its self-test exited with code 1 without a report"), "did not start cleanly"),
+    ],
+)
+def test_a_dirty_server_means_cold_children_and_one_warning(monkeypatch, caplog, report, reason) -> None:
+    calls = []
+
+    def dirty_server() -> dict:
+        calls.append(1)
+        if isinstance(report, Exception):
+            raise report
+        return report
+
+    monkeypatch.setattr(isolation, "_server_check", None)
+    monkeypatch.setattr(isolation, "_probe_server_cuda", dirty_server)
+    modes = _record_launches(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="autotune.probe.isolation"):
+        first = isolation.run_isolated(_spec(), timeout_s=60)  # the default: fork, if the server allows
+        second = isolation.run_isolated(_spec(), timeout_s=60, mode="forkserver")
+    assert first.ok and second.ok
+    assert modes == ["cold", "cold"]
+    assert len(calls) == 1  # checked once; the verdict is kept for the process
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and reason in warnings[0] and "\n" not in warnings[0]
+    assert "every probe starts cold" in warnings[0]
+    assert not isolation.start_server()
+
+
+def test_a_clean_verdict_forks(monkeypatch) -> None:
+    monkeypatch.setattr(isolation, "_server_check", isolation.ServerCheck(clean=True))
+    modes = _record_launches(monkeypatch)
+    isolation.run_isolated(_spec(), timeout_s=60)
+    isolation.run_isolated(_spec(), timeout_s=60, mode="cold")
+    assert modes == ["forkserver", "cold"]
+
+
+# ---- --isolation: CLI and API -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("flag", "mode"), [([], "forkserver"), (["--isolation", "fork"], "forkserver"), (["--isolation", "cold"], "cold")])
+def test_the_isolation_flag_reaches_the_evaluator(tmp_path, monkeypatch, flag, mode) -> None:
+    import autotune.api
+    from autotune.cli import main
+    from autotune.errors import UsageError
+
+    built = {}
+
+    def run_plan(plan, **kwargs):
+        built["evaluator"] = autotune.api.plan_evaluator(plan)
+        raise UsageError("stopped before any probe")
+
+    monkeypatch.setattr(autotune.api, "run_plan", run_plan)
+    code = main(["run", "--model", "tiny-gptneox", "--seq-len", "32", "--device", "cpu", "--n-trials", "1",
+                 "--storage", f"sqlite:///{tmp_path / 'a.db'}", "--report-dir", str(tmp_path), *flag])
+    assert code == 2
+    assert built["evaluator"].mode == mode and built["evaluator"].device == "cpu" and built["evaluator"].device_uuid is None
+
+
+def test_an_unknown_isolation_is_one_line(tmp_path, monkeypatch, capsys) -> None:
+    from autotune.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    code = main(["run", "--device", "cpu", "--isolation", "spawn", "--storage", f"sqlite:///{tmp_path / 'a.db'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert "--isolation 'spawn' is not a way to start probes: use fork" in err
+
+
+def test_the_api_plans_the_gpu_by_uuid(fake_gpu) -> None:
+    import dataclasses
+
+    from autotune.api import RunOptions, plan_evaluator, plan_run
+
+    gpu = dataclasses.replace(fake_gpu, index=1, uuid=gpu_uuid(0))
+    evaluator = plan_evaluator(plan_run(RunOptions(model="tiny-gptneox", seq_len=32, device=gpu, isolation="cold")))
+    assert evaluator.device == "cuda:1" and evaluator.device_uuid == gpu_uuid(0) and evaluator.mode == "cold"
+
+
+# ---- on a real GPU ---------------------------------------------------------------------------------
+
+
+def _has_cuda() -> bool:
+    try:
+        return device.detect_device("auto").is_cuda
+    except Exception:  # noqa: BLE001 - a misconfigured host is no GPU to test on
+        return False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_cuda(), reason="needs a CUDA GPU")
+def test_gpu_a_forked_probe_runs_on_the_resolved_uuid(monkeypatch) -> None:
+    import pynvml
+
+    info = device.detect_device("cuda")
+    assert info.uuid is not None and info.uuid.startswith(("GPU-", "MIG-"))
+    monkeypatch.setattr(isolation, "_server_check", None)
+    assert isolation.check_server().clean, isolation.check_server().reason
+
+    pynvml.nvmlInit()
+    target = pynvml.nvmlDeviceGetHandleByUUID(info.uuid)
+    others = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+
+    def pids(handle) -> set[int]:
+        try:
+            return {p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)}
+        except pynvml.NVMLError:
+            return set()
+
+    before = pids(target)
+    real_launch = isolation._launch
+    seen: dict[str, object] = {"on_target": set(), "anywhere": set()}
+    done = threading.Event()
+
+    def launch_and_watch(*args, **kwargs):
+        child = real_launch(*args, **kwargs)
+        seen["pid"] = child.pid
+
+        def watch() -> None:
+            while not done.is_set():
+                seen["on_target"] |= pids(target) - before
+                for handle in others:
+                    seen["anywhere"] |= pids(handle)
+                time.sleep(0.05)
+
+        threading.Thread(target=watch, daemon=True).start()
+        return child
+
+    monkeypatch.setattr(isolation, "_launch", launch_and_watch)
+    spec = ProbeSpec(model=resolve_model("tiny-gptneox").to_dict(), params=TrialParams(per_device_train_batch_size=4),
+                     seq_len=32, device=f"cuda:{info.index}", warmup_steps=1, measure_steps=3, synthetic_sample_delay_s=0.2)
+    try:
+        result = isolation.run_isolated(spec, timeout_s=300, mode="forkserver", device_uuid=info.uuid)
+    finally:
+        done.set()
+    assert result.status == "ok", result.error
+    assert seen["on_target"], "no new compute process appeared on the resolved GPU during the probe"
+    if seen["pid"] in seen["anywhere"]:  # NVML shows this PID namespace's numbers (not always so in a container)
+        assert seen["pid"] in seen["on_target"]
