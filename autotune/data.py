@@ -141,7 +141,32 @@ def validate_dataset(spec: DatasetSpec, vocab_size: int) -> int:
             f"tokenizer {spec.tokenizer!r} has {len(tokenizer)} tokens but the model's vocabulary has {vocab_size}: "
             "pass the model's own --tokenizer"
         )
+    known = known_token_fraction(tokenizer, texts[:SAMPLE_DOCUMENTS])
+    if known < MIN_KNOWN_TOKEN_FRACTION:
+        raise UsageError(
+            f"tokenizer {spec.tokenizer!r} cannot encode this data ({100 * known:.0f}% of its tokens are known; "
+            f"{len(tokenizer)} tokens in its vocabulary): pass --tokenizer with the model's own tokenizer"
+        )
     return len(texts)
+
+
+# A directory with a config but no tokenizer files loads as an empty tokenizer in transformers 5
+# that turns every document into unknown tokens; a real tokenizer leaves almost none unknown.
+MIN_KNOWN_TOKEN_FRACTION = 0.5
+SAMPLE_DOCUMENTS = 50  # enough text to judge, little enough to check in the parent in milliseconds
+
+
+def known_token_fraction(tokenizer: Any, texts: list[str]) -> float:
+    """The share of tokens of ``texts`` that are neither the unknown token nor missing: 0 when the
+    texts make no token at all (a tokenizer that encodes text to nothing cannot train on it)."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    total = known = 0
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        total += max(len(ids), 1)  # a non-empty document that encodes to nothing counts as one unknown
+        known += sum(1 for i in ids if i is not None and i != unk and i not in special)
+    return known / total if total else 0.0
 
 
 class TextDataset:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -73,6 +74,24 @@ def test_plan_run_checks_the_dataset_before_any_study(tmp_path) -> None:
         plan_run(RunOptions(model="tiny-gptneox", dataset=str(TEXT / "corpus.csv"), tokenizer=str(tmp_path), **common))
     with pytest.raises(UsageError, match="only used with --dataset"):
         plan_run(RunOptions(model="tiny-gptneox", tokenizer=TOKENIZER, **common))
+    assert not (tmp_path / "a.db").exists()
+
+
+def test_a_tokenizer_that_cannot_encode_the_data_is_refused(tmp_path) -> None:
+    """A model directory without tokenizer files loads as an empty tokenizer that encodes every document
+    to nothing (transformers 5): the run must stop and name --tokenizer, not train on zeros."""
+    import shutil
+
+    from autotune.models import resolve_model
+
+    model_dir = tmp_path / "my-model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(resolve_model("tiny-gptneox").config))
+    common = {"device": "cpu", "n_trials": 1, "storage": f"sqlite:///{tmp_path / 'a.db'}", "seq_len": 32}
+    with pytest.raises(UsageError, match=r"cannot encode this data \(0% of its tokens are known.*pass --tokenizer"):
+        plan_run(RunOptions(model=str(model_dir), dataset=str(TEXT / "corpus.csv"), **common))
+    shutil.copytree(TOKENIZER, model_dir, dirs_exist_ok=True)  # with the tokenizer beside the config, it runs
+    assert plan_run(RunOptions(model=str(model_dir), dataset=str(TEXT / "corpus.csv"), **common)).dataset is not None
     assert not (tmp_path / "a.db").exists()
 
 
