@@ -7,6 +7,7 @@ exceptions to a one-line message and an exit code (``--debug`` shows the traceba
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 from collections.abc import Callable, Sequence
@@ -135,7 +136,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise
     result = done.result
     if done.search.pruned:
-        console.print(f"{done.search.pruned} configurations pruned without running (the memory model ruled them out)", style="dim")
+        pruned = done.search.pruned
+        console.print(f"{pruned} configuration{'s' if pruned != 1 else ''} pruned without running (the memory model ruled "
+                      f"{'them' if pruned != 1 else 'it'} out)", style="dim")
     print_summary(console, result)
     console.print(f"report: {done.report_path}")
     if result.best is None:
@@ -245,9 +248,14 @@ def _add_bench_search(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_bench_search)
 
 
+def _checkout_bench() -> Path:
+    """bench/search.py beside the package, in a repository checkout (absent from an installed wheel)."""
+    return Path(__file__).resolve().parent.parent / "bench" / "search.py"
+
+
 def cmd_bench_search(args: argparse.Namespace) -> int:
-    checkout = Path(__file__).resolve().parent.parent  # bench/ sits beside the package in a checkout
-    if (checkout / "bench" / "search.py").is_file() and str(checkout) not in sys.path:
+    checkout = _checkout_bench().parent.parent
+    if str(checkout) not in sys.path:
         sys.path.insert(0, str(checkout))
     try:
         from bench.search import main as bench_main
@@ -361,15 +369,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run(sub)
     _add_estimate(sub)
     _add_replay(sub)
-    _add_bench_search(sub)
+    if _checkout_bench().is_file():  # a repository tool: the installed package does not ship bench/
+        _add_bench_search(sub)
     for name, func, help_text in (("models", cmd_models, "list built-in models"), ("spaces", cmd_spaces, "list built-in search spaces")):
         p = sub.add_parser(name, help=help_text, epilog=_epilog(name), formatter_class=argparse.RawDescriptionHelpFormatter)
         p.set_defaults(func=func)
     _add_report(sub)
     _add_export(sub)
     _add_list(sub)
+    for command in sub.choices.values():  # `autotune run --debug ...` works as well as `autotune --debug run ...`
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks instead of one-line errors")
     return parser
 
+
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a tool whose reader closed the pipe
 
 # One table: exception type -> (exit code, message prefix). AutotuneError carries its own code.
 ERROR_TABLE: list[tuple[type[BaseException], Callable[[BaseException], tuple[int, str]]]] = [
@@ -385,7 +398,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows here, not at exit
+        return code
+    except BrokenPipeError:
+        # The reader went away (`autotune estimate ... | head -3`): stop quietly, as a tool killed by
+        # SIGPIPE does, and keep Python from failing again on flushing stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     except BaseException as exc:
         if args.debug or isinstance(exc, SystemExit):
             raise

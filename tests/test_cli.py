@@ -173,3 +173,28 @@ def test_ctrl_c_stops_cleanly_and_keeps_finished_trials(tmp_path) -> None:
     assert states[0] == "COMPLETE"
     assert states[-1] == "FAIL" and study.trials[-1].user_attrs["reason"] == "interrupted by the user"
     assert "RUNNING" not in states
+
+
+def test_debug_is_accepted_after_the_subcommand_too(capsys) -> None:
+    from autotune.errors import ModelNotFound
+
+    assert main(["run", "--model", "no-such-model", "--device", "cpu"]) == 2  # one line, no traceback
+    assert capsys.readouterr().err.startswith("autotune: error: unknown model")
+    for argv in (["--debug", "run", "--model", "no-such-model"], ["run", "--debug", "--model", "no-such-model"]):
+        with pytest.raises(ModelNotFound):
+            main([*argv, "--device", "cpu"])
+
+
+def test_a_closed_pipe_ends_quietly(tmp_path) -> None:
+    """`autotune estimate ... | head -3`: the reader goes away; no BrokenPipeError traceback."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, sys\n"
+        "r, w = os.pipe(); os.close(r); os.dup2(w, 1)\n"  # stdout whose reader is gone
+        "from autotune.cli import main\n"
+        "sys.exit(main(['estimate', '--model', 'tiny-gptneox', '--seq-len', '64']))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 141 and done.stderr == ""
