@@ -247,7 +247,7 @@ def plan_run(options: RunOptions) -> RunPlan:
     restricted = restricted.including(baseline)
     dataset_spec = _dataset_spec(options.dataset, options.text_column, options.tokenizer, model_spec)
     study_name = options.study or default_study_name(options.model, seq_len, device_info, options.effective_batch_size)
-    return RunPlan(
+    plan = RunPlan(
         model=model_spec,
         device=device_info,
         space=restricted,
@@ -266,6 +266,23 @@ def plan_run(options: RunOptions) -> RunPlan:
         strategy=options.strategy,
         isolation=options.isolation,
     )
+    if options.study is None:
+        plan = dataclasses.replace(plan, study_name=_own_study_name(plan))
+    return plan
+
+
+def _own_study_name(plan: RunPlan) -> str:
+    """The default study name, or, when a study of that name was made for another space, dataset,
+    effective batch, model config or device, that name with a short hash of what differs: a run with
+    other settings starts its own study instead of failing (an explicit ``--study`` that clashes still
+    fails), and the same command finds the same study again."""
+    existing = studies.existing_settings(plan.storage, plan.study_name)
+    settings = plan.study_attrs(None)
+    if existing is None or studies.mismatch(existing, settings, _MUST_MATCH) is None:
+        return plan.study_name
+    identity = {key: settings[key] for key in _MUST_MATCH} | {"device": settings["device"]["name"]}
+    digest = hashlib.sha1(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:6]
+    return f"{plan.study_name}-{digest}"
 
 
 def _dataset_spec(dataset: str | None, text_column: str, tokenizer: str | None, model: Any) -> Any:

@@ -133,27 +133,42 @@ def open_or_create(
             study_name=study_name, storage=storage, direction="maximize", sampler=sampler, load_if_exists=True
         )
     existing = study.user_attrs.get(STUDY_ATTR)
+    if existing is not None:
+        clash = mismatch(existing, settings, must_match)
+        if clash is not None:
+            raise UsageError(f"study {study_name!r} {clash}: pass --study NEW_NAME to start a new one, or repeat the original options to resume it")
     if existing is None:
         study.set_user_attr(STUDY_ATTR, settings)
         with warnings.catch_warnings():  # "experimental" since Optuna 3.2, and what the dashboard reads
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             study.set_metric_names([METRIC_NAME])
-    else:
-        for key in must_match:
-            if existing.get(key) != settings[key]:
-                raise UsageError(
-                    f"study {study_name!r} was made with a different {key.replace('_sha1', '')}: "
-                    "pass --study NEW_NAME to start a new one, or repeat the original options to resume it"
-                )
-        if existing.get("device", {}).get("name") != settings["device"]["name"]:
-            raise UsageError(
-                f"study {study_name!r} was measured on {existing['device']['name']}, not {settings['device']['name']}: "
-                "pass --study NEW_NAME"
-            )
-        if existing.get("memory_ceiling_bytes") != settings["memory_ceiling_bytes"]:
+    elif existing.get("memory_ceiling_bytes") != settings["memory_ceiling_bytes"]:
             study.set_user_attr(STUDY_ATTR, {**existing, "memory_ceiling_bytes": settings["memory_ceiling_bytes"]})
     _log_run(study, budget_s, n_trials)
     return study
+
+
+def mismatch(existing: dict[str, Any], settings: dict[str, Any], must_match: Sequence[str]) -> str | None:
+    """Why a study with ``existing`` settings cannot take a run with ``settings`` (None: it can resume)."""
+    for key in must_match:
+        if existing.get(key) != settings.get(key):
+            return f"was made with a different {key.replace('_sha1', '')}"
+    measured_on, now_on = (existing.get("device") or {}).get("name"), (settings.get("device") or {}).get("name")
+    if measured_on != now_on:
+        return f"was measured on {measured_on}, not {now_on}"
+    return None
+
+
+def existing_settings(storage: str, study_name: str) -> dict[str, Any] | None:
+    """The stored settings of study ``study_name`` (empty for a study autotune did not make), or
+    None when there is no such study. Nothing is created, not even an SQLite file."""
+    if storage.startswith("sqlite:///"):
+        path = storage[len("sqlite:///"):]
+        if path != ":memory:" and not Path(path).exists():
+            return None
+    if study_name not in study_names(storage):
+        return None
+    return settings_of(load_existing(study_name, storage))
 
 
 def _log_run(study: optuna.Study, budget_s: float | None, n_trials: int | None) -> None:

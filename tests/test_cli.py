@@ -198,3 +198,21 @@ def test_a_closed_pipe_ends_quietly(tmp_path) -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 141 and done.stderr == ""
+
+
+def test_a_default_name_that_clashes_starts_its_own_study(tmp_path) -> None:
+    """Without --study, a run with another space gets a study of its own (and finds it again next time);
+    the first study is left as it was."""
+    from autotune.api import RunOptions, open_study, plan_run
+
+    storage = f"sqlite:///{tmp_path / 'a.db'}"
+    common = dict(model="tiny-gptneox", seq_len=32, device="cpu", storage=storage)
+    first = plan_run(RunOptions(space="quick", **common))
+    assert first.study_name == "tiny-gptneox-seq32-cpu"
+    open_study(first)
+    other = plan_run(RunOptions(space="default", **common))
+    assert other.study_name.startswith("tiny-gptneox-seq32-cpu-") and other.study_name != first.study_name
+    open_study(other)
+    assert plan_run(RunOptions(space="default", **common)).study_name == other.study_name  # resumes its own
+    assert plan_run(RunOptions(space="quick", **common)).study_name == first.study_name
+    assert optuna.load_study(study_name=first.study_name, storage=storage).user_attrs["autotune"]["space"]["name"] == "quick"
