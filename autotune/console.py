@@ -92,6 +92,8 @@ class LiveProgress:
         tag = " (baseline)" if record.is_baseline else ""
         if record.remeasure_of is not None:
             tag = f" (near-tie: re-measure of trial {record.remeasure_of})"
+        if result.interference:
+            detail += f" [yellow](busy machine: {result.interference})[/]"
         self.console.print(
             f"trial {record.number:>3}{tag} [{style}]{result.status:<8}[/] {record.params.short()}  {detail}"
             f"  [dim]{format_duration(result.wall_s)}[/]",
@@ -203,6 +205,11 @@ def print_summary(console: Console, result: TuneResult, *, dropped: tuple[Any, .
     console.print(f"Trials: {counts}. Memory ceiling: {format_bytes(result.memory_ceiling_bytes)}.")
     if result.stopped_because:
         console.print(f"Stopped: {result.stopped_because}.")
+    busy = result.busy_probes()
+    if busy:
+        console.print(f"[yellow]{busy} of {len(result.trials)} probes ran while something else used the device: "
+                      "their figures may be noise; re-run the command when the machine is idle (finished probes are kept).[/]",
+                      highlight=False)
     best = result.best
     if best is not None:
         params = TrialParams.from_dict(result.best_params or {})
@@ -229,6 +236,8 @@ def measurement_warnings(row: Any) -> list[str]:
             f"input-bound: waiting for batches {100 * float(row['input_wait_fraction']):.0f}% of the time "
             "(more dataloader_num_workers may help)"
         )
+    if _get(row, "interference"):
+        warnings.append(f"measured on a busy machine ({row['interference']}): the figure may be noise")
     stable = _get(row, "stable")
     if stable is not None and not bool(stable) and _get(row, "step_time_ci95_rel") is not None:
         warnings.append(f"step time not stable: 95% CI +-{100 * float(row['step_time_ci95_rel']):.1f}% of the mean")

@@ -131,6 +131,9 @@ class ProbeResult:
     telemetry_window_s: float | None = None  # length of the NVML-sampled window
     # The window was long enough for NVML's ~1 s power/utilisation averages (otherwise those stay None).
     telemetry_reliable: bool = False
+    # What else used the device just before the probe (other GPU processes or utilisation, CPU load
+    # above the core count): its figures may be noise (autotune.probe.interference). None: idle.
+    interference: str | None = None
     # Input pipeline.
     input_wait_fraction: float | None = None  # share of the measured window spent waiting for batches
     input_bound: bool = False

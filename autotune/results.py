@@ -53,6 +53,7 @@ RESULT_COLUMNS = (
     "energy_per_sample_j",
     "input_wait_fraction",
     "input_bound",
+    "interference",
     "overhead_s",
     "model_build_s",
 )
@@ -213,6 +214,8 @@ def configurations_frame(trials: pd.DataFrame, memory_ceiling_bytes: int | None)
         row["samples_per_s_min"] = float(speeds.min()) if len(speeds) else None
         row["samples_per_s_max"] = float(speeds.max()) if len(speeds) else None
         row["spread_rel"] = float((speeds.max() - speeds.min()) / speeds.mean()) if len(speeds) > 1 and speeds.mean() else None
+        busy = [str(v) for v in ran["interference"] if isinstance(v, str) and v]
+        row["interference"] = busy[0] if busy else None  # any probe of it ran on a busy machine
         row["probe_trials"] = tuple(int(t) for t in ran["trial"])
         row["n_probes"] = len(ran)
         row["n_measurements"] = len(ok)
@@ -306,6 +309,12 @@ class TuneResult:
         if best is None or not base:
             return None
         return float(best["samples_per_s"]) / base
+
+    def busy_probes(self) -> int:
+        """Probes that ran while something else used the device (see :mod:`autotune.probe.interference`)."""
+        if "interference" not in self.trials.columns:
+            return 0
+        return int(self.trials["interference"].map(lambda v: isinstance(v, str) and bool(v)).sum())
 
     def counts(self) -> dict[str, int]:
         """Trials by outcome (repeats of a measured configuration and enqueued trials never started not counted)."""

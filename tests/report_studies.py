@@ -37,10 +37,15 @@ def settings(space_dict: dict, device: DeviceInfo = DEVICE) -> dict:
 
 
 class ReportFake(FakeEvaluator):
-    """The fake GPU, with a crash that leaves a stderr tail like a real one."""
+    """The fake GPU, with a crash that leaves a stderr tail like a real one; the first ``busy_first``
+    probes see another process on the GPU."""
+
+    busy_first: int = 0
 
     def evaluate(self, params: TrialParams, *, timeout_s: float) -> ProbeResult:
         result = super().evaluate(params, timeout_s=timeout_s)
+        if len(self.calls) <= self.busy_first:
+            result = result.replace(interference="1 other process on the GPU")
         if result.status == "crash":
             return result.replace(error="Traceback (most recent call last):\n  File \"probe.py\", line 1\nRuntimeError: boom <b>")
         return result
@@ -51,7 +56,7 @@ FORCED = ((4, "fp32", False), (16, "bf16", False), (4, "bf16", False), (32, "fp3
 
 
 def make_study(storage: str, name: str = "report-test", *, n_trials: int = 12,
-               fail_on: dict | None = None, oom_above_bytes: int = 20 * GiB) -> TuneResult:
+               fail_on: dict | None = None, oom_above_bytes: int = 20 * GiB, busy_first: int = 0) -> TuneResult:
     """A study with every probe outcome: ok, over the ceiling (bs 32 fp32), OOM (bs 64), crash, timeout, diverged."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(study_name=name, storage=storage, direction="maximize", sampler=make_sampler(0))
@@ -59,6 +64,7 @@ def make_study(storage: str, name: str = "report-test", *, n_trials: int = 12,
     fake = ReportFake(oom_above_bytes=oom_above_bytes, fail_on=fail_on if fail_on is not None else {
         (4, "fp32"): "crash", (16, "bf16"): "timeout", (4, "bf16"): "diverged",
     })
+    fake.busy_first = busy_first
     space = parse_space(SPACE).restrict(DEVICE)
     study.enqueue_trial(space.optuna_params(baseline_params()), user_attrs={ATTR_ROLE: ROLE_BASELINE})
     for batch, precision, checkpointing in FORCED:

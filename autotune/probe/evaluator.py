@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autotune.params import TrialParams
+from autotune.probe.interference import interference
 from autotune.probe.isolation import DEFAULT_MODE, IsolationMode, run_isolated
 from autotune.records import ProbeResult, ProbeSpec
 
@@ -54,4 +55,6 @@ class ProbeEvaluator:
         )
 
     def evaluate(self, params: TrialParams, *, timeout_s: float) -> ProbeResult:
-        return run_isolated(self.spec_for(params), timeout_s=timeout_s, mode=self.mode, device_uuid=self.device_uuid)
+        busy = interference(self.device_uuid, cuda=self.device.startswith("cuda"))  # before: our probe is not running yet
+        result = run_isolated(self.spec_for(params), timeout_s=timeout_s, mode=self.mode, device_uuid=self.device_uuid)
+        return result.replace(interference=busy) if busy else result

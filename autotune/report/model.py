@@ -338,6 +338,8 @@ def _table(
                     words[words.index("numerics drift")] = f"numerics drift ({float(row['loss_drift']):.2g})"
                 if row.get("is_baseline"):
                     words.insert(0, "baseline")
+                if isinstance(row.get("interference"), str) and row["interference"]:
+                    words.append(f"busy machine ({row['interference']})")
                 cells.append(Cell(", ".join(words), ", ".join(words) or None))
             elif column.key == "outcome":
                 cells.append(Cell(OUTCOME_LABELS.get(row["outcome"], str(row["outcome"])), OUTCOMES.index(row["outcome"]) if row["outcome"] in OUTCOMES else 99))
@@ -480,6 +482,10 @@ def build_report_model(result: TuneResult) -> ReportModel:
         error = no_result_error(result)
         headline = ("No configuration fits: " if isinstance(error, NothingFits) else "No configuration finished a probe: ") + f"{error}."
         notice = "Only failed trials: no configuration ran under the memory ceiling."
+    busy = result.busy_probes()
+    if busy:
+        notice = (f"{busy} of {len(result.trials)} probes ran while something else used the device (flagged "
+                  f"'busy machine' in the table): their figures may be noise. {notice}").strip()
     if device_kind == "cpu":
         cpu = "Measured on the CPU: speeds are CPU speeds, shown to demonstrate the report, not GPU results."
         notice = f"{cpu} {notice}".strip()

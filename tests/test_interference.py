@@ -1,0 +1,53 @@
+"""A busy machine is detected before each probe, recorded with the trial, and shown."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+from rich.console import Console
+
+from autotune.console import print_summary
+from autotune.probe import interference as busy
+from autotune.report.model import build_report_model
+from tests.report_studies import make_study
+
+
+def test_cpu_load_above_the_core_count_is_busy() -> None:
+    assert busy.cpu_busy_reason((100, 1000), (280, 1200), cores=2) == "CPU 90% busy on 2 cores"
+    assert busy.cpu_busy_reason((100, 1000), (150, 1200), cores=2) is None
+    assert busy.cpu_load_reason(3.2, 2) == "load 3.2 on 2 cores"  # where /proc/stat is missing
+    assert busy.cpu_load_reason(1.9, 2) is None
+
+
+def test_other_gpu_processes_or_utilisation_are_busy() -> None:
+    assert busy.gpu_busy_reason([], 0.0, own_pid=1) is None
+    assert busy.gpu_busy_reason([1], 3.0, own_pid=1) is None  # ourselves
+    assert busy.gpu_busy_reason([7, 8], None, own_pid=1) == "2 other processes on the GPU"
+    assert busy.gpu_busy_reason([7], 85.0, own_pid=1) == "1 other process on the GPU, 85% utilised before the probe"
+
+
+def test_the_gpu_check_reads_nvml_by_uuid(monkeypatch) -> None:
+    from autotune.probe import telemetry
+
+    fake = types.SimpleNamespace(
+        nvmlInit=lambda: None,
+        nvmlDeviceGetHandleByUUID=lambda uuid: ("handle", uuid),
+        nvmlDeviceGetComputeRunningProcesses=lambda handle: [types.SimpleNamespace(pid=4242)],
+        nvmlDeviceGetUtilizationRates=lambda handle: types.SimpleNamespace(gpu=97),
+    )
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setattr(telemetry, "_handle_cache", {})
+    assert busy.interference("GPU-abc", cuda=True) == "1 other process on the GPU, 97% utilised before the probe"
+
+
+def test_busy_probes_are_flagged_in_the_terminal_and_the_report(tmp_path) -> None:
+    result = make_study(f"sqlite:///{tmp_path / 'b.db'}", n_trials=6, busy_first=2)
+    assert result.busy_probes() == 2
+    console = Console(width=200, record=True)
+    print_summary(console, result)
+    assert "2 of 6 probes ran while something else used the device" in console.export_text()
+    model = build_report_model(result)
+    assert model.notice.startswith("2 of 6 probes ran while something else used the device")
+    flags = [cell.text for row in model.rows for column, cell in zip(model.columns, row.cells) if column.key == "flags"]
+    assert sum("busy machine (1 other process on the GPU)" in f for f in flags) == 2
