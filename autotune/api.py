@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import os
 import shlex
 import sys
 from collections.abc import Callable
@@ -428,13 +429,28 @@ def _write_report(result: TuneResult, path: Path) -> None:
     write_report(result, path)
 
 
+def user_dir() -> Path:
+    """Where :func:`tune` keeps its studies and reports unless told otherwise: ``$AUTOTUNE_HOME``, else
+    ``$XDG_CACHE_HOME/autotune``, else ``~/.cache/autotune``. Not the current directory: a notebook or
+    a script calling ``tune()`` should not leave files beside itself (the CLI, run from a project, does:
+    ``./autotune.db`` and ``reports/``)."""
+    if os.environ.get("AUTOTUNE_HOME"):
+        return Path(os.environ["AUTOTUNE_HOME"]).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache).expanduser() / "autotune"
+
+
+_DEFAULT = object()
+
+
 def tune(
     model: str = DEFAULT_MODEL,
     *,
     evaluator: Evaluator | None = None,
     on_trial: Callable[[TrialRecord], None] | None = None,
-    report_dir: str | Path | None = "reports",
+    report_dir: str | Path | None | object = _DEFAULT,
     command: str | None = None,
+    verbose: bool = True,
     **options: Any,
 ) -> TuneResult:
     """Find the fastest training configuration of ``model`` that fits under the memory ceiling.
@@ -444,12 +460,16 @@ def tune(
             with a ``config.json``.
         evaluator: replaces the real probes (tests, replays).
         on_trial: called after each finished trial.
-        report_dir: where ``<study>.html`` is written (None: no report).
+        report_dir: where ``<study>.html`` is written (None: no report); default ``reports/`` under
+            :func:`user_dir`.
         command: the command line to record in the study, for the report.
+        verbose: show progress (a live display in a terminal, a progress bar in Jupyter), a line per
+            trial and the ranked table at the end; False: silent.
         **options: any field of :class:`RunOptions`: ``budget="30m"``, ``n_trials``, ``space``,
-            ``memory_ceiling``, ``effective_batch_size``, ``seq_len``, ``device``, ``storage``,
-            ``study``, ``seed``, ``trial_timeout``, ``warmup_steps``, ``measure_steps``,
-            ``dataset``, ``text_column``, ``tokenizer``, ``strategy``, ``isolation`` (each documented there).
+            ``memory_ceiling``, ``effective_batch_size``, ``seq_len``, ``device``, ``storage``
+            (default: ``sqlite:///<user_dir()>/autotune.db``), ``study``, ``seed``, ``trial_timeout``,
+            ``warmup_steps``, ``measure_steps``, ``dataset``, ``text_column``, ``tokenizer``,
+            ``strategy``, ``isolation`` (each documented there).
 
     Returns:
         The :class:`TuneResult`: ``best_training_arguments()``, ``best_params``, ``baseline``,
@@ -458,7 +478,33 @@ def tune(
     Raises:
         UsageError: bad input, before anything is run or stored.
     """
+    if options.get("storage") is None or report_dir is _DEFAULT:
+        user_dir().mkdir(parents=True, exist_ok=True)
+    if options.get("storage") is None:
+        options["storage"] = f"sqlite:///{user_dir() / 'autotune.db'}"
+    if report_dir is _DEFAULT:
+        report_dir = user_dir() / "reports"
     plan = plan_run(RunOptions.of(model=model, **options))
     if command is None:
         command = "python -c 'autotune.tune(...)'" if "autotune" not in sys.argv[0] else shlex.join(["autotune", *sys.argv[1:]])
-    return run_plan(plan, evaluator=evaluator, on_trial=on_trial, report_dir=report_dir, command=command).result
+    if not verbose:
+        return run_plan(plan, evaluator=evaluator, on_trial=on_trial, report_dir=report_dir, command=command).result  # type: ignore[arg-type]
+    from rich.console import Console
+
+    from autotune.console import LiveProgress, print_header, print_summary
+
+    console = Console(highlight=False)
+    live = LiveProgress(console, budget_s=plan.settings.budget_s, n_trials=plan.settings.n_trials, ceiling_bytes=plan.memory_ceiling_bytes)
+
+    def trial_done(record: TrialRecord) -> None:
+        live.on_trial(record)
+        if on_trial:
+            on_trial(record)
+
+    with live:
+        done = run_plan(plan, evaluator=evaluator, on_open=lambda p, resumed: print_header(console, p, resumed),
+                        on_start=live.on_start, on_trial=trial_done, report_dir=report_dir, command=command)  # type: ignore[arg-type]
+    print_summary(console, done.result)
+    if done.report_path is not None:
+        console.print(f"report: {done.report_path}")
+    return done.result

@@ -216,3 +216,23 @@ def test_a_default_name_that_clashes_starts_its_own_study(tmp_path) -> None:
     assert plan_run(RunOptions(space="default", **common)).study_name == other.study_name  # resumes its own
     assert plan_run(RunOptions(space="quick", **common)).study_name == first.study_name
     assert optuna.load_study(study_name=first.study_name, storage=storage).user_attrs["autotune"]["space"]["name"] == "quick"
+
+
+def test_tune_writes_nothing_in_the_current_directory_and_is_silent_when_asked(tmp_path, monkeypatch, capsys, fake_gpu) -> None:
+    import autotune
+    from tests.conftest import FakeEvaluator
+
+    work, home = tmp_path / "work", tmp_path / "home"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("AUTOTUNE_HOME", str(home))
+    result = autotune.tune("tiny-gptneox", budget=None, n_trials=2, space="quick", device=fake_gpu, seq_len=64,
+                           evaluator=FakeEvaluator(), command="test", verbose=False)
+    assert list(work.iterdir()) == []  # nothing beside the notebook or script
+    assert result.storage == f"sqlite:///{home / 'autotune.db'}"
+    assert (home / "reports" / f"{result.study_name}.html").is_file()
+    assert capsys.readouterr().out == ""
+    autotune.tune("tiny-gptneox", budget=None, n_trials=1, space="quick", device=fake_gpu, seq_len=64,
+                  evaluator=FakeEvaluator(), command="test", study="loud")
+    out = capsys.readouterr().out
+    assert "trial   0 (baseline)" in out and "Top configurations" in out and "report: " in out
