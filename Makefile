@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint install browser clean
+.PHONY: demo test lint install browser clean wheelhouse gpu-check
 
 install: $(STAMP)
 
@@ -44,6 +44,21 @@ browser:
 			echo "chromium/chromedriver missing and not root: the browser test will skip (or fail under CI=true)"; \
 		fi; \
 	fi
+
+# The wheels a CUDA image with only torch and transformers lacks (optuna, plotly, rich, pandas,
+# accelerate, nvidia-ml-py, pytest and their dependencies), for CPython $(WHEEL_PYTHON) x86_64, into the
+# ignored wheelhouse/: run it where PyPI is reachable, then `make gpu-check` works without network.
+WHEEL_PYTHON ?= 3.12
+wheelhouse: $(STAMP)
+	$(PY) -m bench.wheelhouse --dest wheelhouse --python-version $(WHEEL_PYTHON)
+
+# The GPU acceptance run (bench/gpu_acceptance.py): every GPU check on the first visible GPU, at most
+# 25 minutes, into reports/gpu/<device>-<date>/. It uses the interpreter it finds (a GPU image's
+# python, with torch and transformers), installing what is missing from wheelhouse/.
+# GPU_ARGS passes options through, e.g. GPU_ARGS="--phase landscape --out reports/gpu/DIR".
+GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+gpu-check:
+	$(GPU_PYTHON) -m bench.gpu_acceptance $(GPU_ARGS)
 
 clean:
 	rm -rf $(VENV) autotune.db best.json test-artifacts

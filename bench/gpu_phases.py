@@ -1,0 +1,1053 @@
+"""The seven phases of the GPU acceptance run (see :mod:`bench.gpu_acceptance` for how to run them).
+
+Every phase is a function ``phase(ctx: Context) -> PhaseOutput``: ``data`` (status, reason and
+figures; it becomes ``<phase>.json``) and ``markdown`` (its section of ``summary.md``). A phase keeps
+to ``ctx.box_s``: each probe's deadline is at most what is left of the box, and a phase that runs
+out stops where it is and returns status ``timeout`` with what it measured. What a phase measured
+so far is also kept in ``ctx.partial``, so that a phase stopped from outside (its box plus a grace
+period, by :mod:`bench.gpu_acceptance`) still leaves its rows.
+
+Statuses: ``ok`` (ran, its targets met), ``flagged`` (ran, a target missed: ``reason`` says
+which), ``skipped`` (did not apply here: ``reason`` says why), ``timeout`` (stopped at its box),
+``error`` (a bug in this harness: ``reason`` holds the traceback's last line).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ElementTree
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from autotune.models import ModelSpec, resolve_model
+from autotune.params import PARAM_NAMES, PRECISIONS, TrialParams
+from autotune.probe.evaluator import ProbeEvaluator
+from autotune.records import DeviceInfo, ProbeResult, ProbeStatus
+from autotune.units import format_bytes, format_duration
+
+REPO = Path(__file__).resolve().parent.parent
+GiB = 2**30
+COMPILE_MODES = ("off", "inductor", "inductor:max-autotune")
+RATIO_TOLERANCE = 0.05  # a plain Trainer must agree with the probe within 5%
+CV_TARGET = 0.02
+OVERHEAD_TARGET_S = 2.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What every phase runs: the full GPU plan, or :data:`QUICK` (tiny model, seconds per phase)."""
+
+    quick: bool
+    total_s: float  # the whole run; the landscape gets what the other phases leave
+    boxes_s: dict[str, float]  # per-phase time box (the landscape's: its share when run alone)
+    landscape_floor_s: float  # the least the landscape gets in a whole run
+    grace_s: float  # past its box (+ this) a phase is stopped from outside
+    # Probe lengths: "standard" as autotune runs them, "short" where only fit/no-fit matters.
+    warmup_steps: int
+    measure_steps: int
+    max_measure_steps: int
+    max_measure_s: float
+    short_warmup_steps: int
+    short_measure_steps: int
+    probe_cap_s: float  # one probe's deadline at most (compilation included)
+    repeat_model: str
+    repeat_seq_len: int
+    repeat_batch: int
+    repeat_runs: int
+    pc_model: str
+    pc_seq_len: int
+    pc_batch: int
+    pc_compile_on_cpu: bool
+    ceiling_model: str
+    ceiling_seq_len: int
+    ceiling_bytes: int | None  # None: the memory model's prediction at batch 8 (a boundary near 8)
+    ceiling_factors: tuple[float, ...]  # batches probed, relative to the predicted largest batch
+    run_model: str
+    run_seq_len: int
+    run_budget_s: float
+    run_space: str
+    run_report_reserve_s: float
+    sbs_model: str
+    sbs_seq_len: int
+    auto_find_start: int
+    auto_find_steps: int
+    finder_start: int
+    finder_max: int
+    finder_max_trials: int
+    sbs_fallback_tune_s: float
+    sbs_warmup_steps: int  # the side-by-side's probes: every row measured alike, shorter than autotune's own
+    sbs_measure_steps: int
+    timed_measure_steps: int
+    land_model: str
+    land_seq_len: int
+    land_grid: dict[str, tuple[Any, ...]]
+    land_reserve_s: float  # kept for bench.search at the end of the landscape's box
+    bench_seeds: int
+    bench_budget_fraction: float  # bench.search's virtual budget: this share of the table's total probe time
+
+
+FULL = Plan(
+    quick=False,
+    total_s=25 * 60,
+    boxes_s={
+        "tests": 120, "repeatability": 100, "precision_compile": 240, "ceiling": 75, "run": 320, "side_by_side": 330,
+        "landscape": 540,  # alone (--phase landscape): under 10 minutes a call, it goes on from the rows already probed
+    },
+    landscape_floor_s=240,
+    grace_s=60,
+    warmup_steps=3, measure_steps=8, max_measure_steps=50, max_measure_s=8.0,
+    short_warmup_steps=1, short_measure_steps=1,
+    probe_cap_s=240,
+    repeat_model="polyglot-ko-1.3b", repeat_seq_len=512, repeat_batch=16, repeat_runs=5,
+    pc_model="pythia-410m", pc_seq_len=512, pc_batch=8, pc_compile_on_cpu=True,
+    ceiling_model="pythia-410m", ceiling_seq_len=512, ceiling_bytes=16 * GiB, ceiling_factors=(0.5, 0.75, 1.0, 1.25, 1.5, 2.0),
+    run_model="polyglot-ko-1.3b", run_seq_len=512, run_budget_s=300, run_space="default", run_report_reserve_s=20,
+    sbs_model="polyglot-ko-1.3b", sbs_seq_len=512, auto_find_start=64, auto_find_steps=3,
+    finder_start=2, finder_max=1024, finder_max_trials=25, sbs_fallback_tune_s=120, sbs_warmup_steps=2, sbs_measure_steps=5,
+    timed_measure_steps=20,
+    land_model="pythia-160m", land_seq_len=128,
+    land_grid={
+        "per_device_train_batch_size": (8, 64),
+        "gradient_accumulation_steps": (1, 2),
+        "precision": ("fp32", "bf16"),
+        "optim": ("adamw_torch_fused", "adafactor"),
+        "torch_compile": ("off", "inductor"),
+        "attn_implementation": ("eager", "sdpa"),
+        "dataloader_num_workers": (0, 2),
+        "gradient_checkpointing": (False, True),
+    },
+    land_reserve_s=60, bench_seeds=5, bench_budget_fraction=1 / 3,
+)
+
+QUICK = replace(
+    FULL,
+    quick=True,
+    total_s=5 * 60,
+    boxes_s={"tests": 60, "repeatability": 40, "precision_compile": 60, "ceiling": 40, "run": 30, "side_by_side": 90, "landscape": 60},
+    landscape_floor_s=30,
+    grace_s=15,
+    warmup_steps=1, measure_steps=2, max_measure_steps=2, max_measure_s=2.0,
+    probe_cap_s=60,
+    repeat_model="tiny-gptneox", repeat_seq_len=32, repeat_batch=4, repeat_runs=2,
+    pc_model="tiny-gptneox", pc_seq_len=32, pc_batch=4, pc_compile_on_cpu=False,
+    ceiling_model="tiny-gptneox", ceiling_seq_len=32, ceiling_bytes=None, ceiling_factors=(1.0, 2.0),
+    run_model="tiny-gptneox", run_seq_len=32, run_budget_s=10, run_space="quick", run_report_reserve_s=10,
+    sbs_model="tiny-gptneox", sbs_seq_len=32, auto_find_start=16, auto_find_steps=2,
+    finder_start=2, finder_max=8, finder_max_trials=3, sbs_fallback_tune_s=10, sbs_warmup_steps=1, sbs_measure_steps=2,
+    timed_measure_steps=4,
+    land_model="tiny-gptneox", land_seq_len=32,
+    land_grid={
+        "per_device_train_batch_size": (2, 8),
+        "gradient_accumulation_steps": (1,),
+        "precision": ("fp32",),
+        "optim": ("adamw_torch_fused",),
+        "torch_compile": ("off",),
+        "attn_implementation": ("sdpa",),
+        "dataloader_num_workers": (0,),
+        "gradient_checkpointing": (False, True),
+    },
+    land_reserve_s=20, bench_seeds=2, bench_budget_fraction=1 / 3,
+)
+
+
+class PhaseOutput(NamedTuple):
+    """What a phase returns: ``data`` (-> ``<phase>.json``; has ``status`` and ``reason``) and its summary section."""
+
+    data: dict[str, Any]
+    markdown: str
+
+
+@dataclass
+class Context:
+    """What a phase gets: where to write, the device, the plan, its time box."""
+
+    name: str
+    out: Path
+    device: DeviceInfo
+    plan: Plan
+    box_s: float
+    slug: str
+    started: float = field(default_factory=time.monotonic)
+    partial: dict[str, Any] = field(default_factory=dict)  # rows measured so far, for a phase stopped from outside
+
+    @property
+    def probe_device(self) -> str:
+        return f"cuda:{self.device.index}" if self.device.is_cuda else "cpu"
+
+    @property
+    def device_arg(self) -> str:
+        """``--device`` as autotune's API takes it."""
+        return f"cuda:{self.device.index}" if self.device.is_cuda else "cpu"
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def remaining(self) -> float:
+        return self.box_s - self.elapsed()
+
+    def log(self, message: str) -> None:
+        print(f"[{self.name} {self.elapsed():6.1f}s] {message}", flush=True)
+
+    def evaluator(self, model: ModelSpec, seq_len: int, *, short: bool = False, ceiling: int | None = None) -> ProbeEvaluator:
+        plan = self.plan
+        return ProbeEvaluator(
+            model=model.to_dict(), seq_len=seq_len, device=self.probe_device, memory_ceiling_bytes=ceiling,
+            warmup_steps=plan.short_warmup_steps if short else plan.warmup_steps,
+            measure_steps=plan.short_measure_steps if short else plan.measure_steps,
+            max_measure_steps=plan.short_measure_steps if short else plan.max_measure_steps,
+            max_measure_s=plan.max_measure_s,
+        )
+
+    def probe(self, evaluator: ProbeEvaluator, params: TrialParams, *, reserve_s: float = 0.0) -> ProbeResult | None:
+        """One probe with a deadline inside the box; None when too little of the box is left to start one."""
+        timeout_s = min(self.plan.probe_cap_s, self.remaining() - reserve_s)
+        if timeout_s < (2.0 if self.plan.quick else 10.0):
+            return None
+        self.log(f"probe {params.short()} (deadline {timeout_s:.0f}s)")
+        result = evaluator.evaluate(params, timeout_s=timeout_s)
+        figure = f"{result.samples_per_s:.2f} samples/s" if result.ok and result.samples_per_s else _first_line(result.error)
+        self.log(f"  -> {result.status} {figure} ({result.wall_s or 0:.1f}s)")
+        return result
+
+
+# ---------------------------------------------------------------------------------------- formatting
+
+
+def _first_line(text: str | None, limit: int = 160) -> str:
+    if not text:
+        return ""
+    lines = [line.strip() for line in str(text).strip().splitlines() if line.strip()]
+    # A traceback's last line says what went wrong; a one-line error is itself.
+    return (lines[-1] if lines else "")[:limit]
+
+
+def fmt(value: Any, kind: str = "") -> str:
+    """A table cell: ``-`` for missing, units by kind."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if kind == "bytes":
+        return format_bytes(value)
+    if kind == "s":
+        return format_duration(value)
+    if kind == "pct":
+        return f"{100 * float(value):.1f}%"
+    if kind == "ratio":
+        return f"{float(value):.3f}"
+    if isinstance(value, float):
+        return f"{value:,.2f}" if abs(value) < 1000 else f"{value:,.0f}"
+    return str(value).replace("|", "\\|")
+
+
+def md_table(headers: Iterable[str], rows: Iterable[Iterable[Any]]) -> str:
+    headers = list(headers)
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(str(cell).replace("\n", " ") for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def probe_row(params: TrialParams, result: ProbeResult | None, **extra: Any) -> dict[str, Any]:
+    """One probe as a JSON row: its configuration, outcome and every figure the summary shows."""
+    row: dict[str, Any] = {"config": params.short(), **params.to_dict(), **extra}
+    if result is None:
+        row.update(status="not run", error="no time left in the phase's box")
+        return row
+    row.update(
+        status=str(result.status), samples_per_s=result.samples_per_s, tokens_per_s=result.tokens_per_s,
+        step_time_s=result.step_time_s, measured_steps=result.measured_steps, step_time_ci95_rel=result.step_time_ci95_rel,
+        stable=result.stable, peak_mem_bytes=result.peak_mem_bytes, peak_reserved_bytes=result.peak_reserved_bytes,
+        peak_device_used_bytes=result.peak_device_used_bytes, mfu=result.mfu, achieved_tflops=result.achieved_tflops,
+        energy_per_sample_j=result.energy_per_sample_j, power_mean_w=result.power_mean_w, gpu_util_mean_pct=result.gpu_util_mean_pct,
+        wall_s=result.wall_s, overhead_s=result.overhead_s, model_build_s=result.model_build_s, warmup_s=result.warmup_s,
+        matmul_precision=getattr(result, "matmul_precision", None),  # a newer ProbeResult field; absent before it
+        compiled_graphs_measured=result.extra.get("compiled_graphs_measured"),
+        error=None if result.ok else _first_line(result.error, 300),
+    )
+    return row
+
+
+def output(status: str, reason: str, data: dict[str, Any], markdown: str) -> PhaseOutput:
+    return PhaseOutput({"status": status, "reason": reason, **data}, markdown)
+
+
+def skipped(reason: str, **data: Any) -> PhaseOutput:
+    return output("skipped", reason, data, f"Skipped: {reason}.")
+
+
+def _precision_for(device: DeviceInfo) -> str:
+    """The 16-bit precision this device trains in (bf16 from Ampere, else fp16; the CPU: bf16)."""
+    if device.supports_bf16:
+        return "bf16"
+    return "fp16" if device.is_cuda else "fp32"
+
+
+def _unsupported(device: DeviceInfo, precision: str) -> str | None:
+    if precision == "tf32" and not device.supports_tf32:
+        return "TF32 needs an Ampere or newer GPU"
+    if precision == "bf16" and not device.supports_bf16:
+        return "bf16 needs an Ampere or newer GPU"
+    if precision == "fp16" and not device.is_cuda:
+        return "fp16 mixed precision needs a GPU"
+    return None
+
+
+# ---------------------------------------------------------------------------------------- 1. tests
+
+
+def phase_tests(ctx: Context) -> PhaseOutput:
+    """``pytest -m gpu``: the test suite's CUDA-only tests, passed/failed/skipped."""
+    import importlib.util
+
+    if importlib.util.find_spec("pytest") is None:
+        return skipped("pytest is not installed (`make wheelhouse` brings it)")
+    junit = ctx.out / "tests_junit.xml"
+    command = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider", f"--junitxml={junit}", "tests"]
+    ctx.log(" ".join(command[1:]))
+    returncode, stdout = run_command(command, timeout_s=max(ctx.remaining(), 5.0))
+    (ctx.out / "tests_output.txt").write_text(stdout, encoding="utf-8")
+    if returncode is None:
+        return output("timeout", f"pytest passed the {ctx.box_s:.0f}s box", {"output_tail": stdout[-2000:]}, "Stopped at its time box.")
+    cases = _junit_cases(junit)
+    counts = {k: sum(1 for c in cases if c["outcome"] == k) for k in ("passed", "failed", "error", "skipped")}
+    data = {"returncode": returncode, **counts, "cases": cases, "junit": junit.name}
+    table = md_table(["test", "outcome", "message"], [(c["name"], c["outcome"], fmt(c["message"])) for c in cases])
+    ran = counts["passed"] + counts["failed"] + counts["error"]
+    if returncode == 5 or not cases:
+        return output("skipped", "no test is marked gpu", data, "No test is marked `gpu`.")
+    if ran == 0:
+        reasons = sorted({c["message"] for c in cases if c["message"]})
+        where = "the CPU" if not ctx.device.is_cuda else ctx.device.name
+        status = "skipped" if not ctx.device.is_cuda else "flagged"
+        reason = f"no GPU test ran on {where}: all {counts['skipped']} gpu tests skipped ({'; '.join(reasons)})"
+        return output(status, reason, data, table)
+    status = "ok" if counts["failed"] == counts["error"] == 0 and returncode == 0 else "flagged"
+    reason = f"{counts['passed']} passed, {counts['failed']} failed, {counts['error']} errors, {counts['skipped']} skipped"
+    return output(status, reason, data, table)
+
+
+def _junit_cases(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    cases = []
+    for case in ElementTree.parse(path).getroot().iter("testcase"):
+        outcome, message = "passed", ""
+        for tag, name in (("failure", "failed"), ("error", "error"), ("skipped", "skipped")):
+            element = case.find(tag)
+            if element is not None:
+                outcome, message = name, (element.get("message") or "").strip()
+                break
+        cases.append({"name": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome, "message": message[:200]})
+    return cases
+
+
+def run_command(command: list[str], *, timeout_s: float, cwd: Path = REPO, env: dict[str, str] | None = None) -> tuple[int | None, str]:
+    """Run a command in its own session; on the deadline kill its whole group. (returncode or None, output)."""
+    import signal
+
+    with tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace") as log:
+        process = subprocess.Popen(
+            command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+        try:
+            returncode: int | None = process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            returncode = None
+        except BaseException:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            raise
+        if returncode is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        log.seek(0)
+        return returncode, log.read()
+
+
+# ---------------------------------------------------------------------------------------- 2. repeatability
+
+
+def phase_repeatability(ctx: Context) -> PhaseOutput:
+    """The same configuration probed N times, each in a fresh process: CV of samples/s, fixed overhead, model build."""
+    plan = ctx.plan
+    model = resolve_model(plan.repeat_model)
+    params = TrialParams(per_device_train_batch_size=plan.repeat_batch, precision=_precision_for(ctx.device), attn_implementation="sdpa")
+    evaluator = ctx.evaluator(model, plan.repeat_seq_len)
+    rows = ctx.partial.setdefault("rows", [])
+    for run in range(1, plan.repeat_runs + 1):
+        result = ctx.probe(evaluator, params)
+        rows.append(probe_row(params, result, run=run))
+        if result is None:
+            break
+    ok = [r for r in rows if r["status"] == "ok"]
+    rates = [r["samples_per_s"] for r in ok]
+    overheads = [r["overhead_s"] for r in ok if r["overhead_s"] is not None]
+    builds = [r["model_build_s"] for r in ok if r["model_build_s"] is not None]
+    cv = statistics.stdev(rates) / statistics.fmean(rates) if len(rates) >= 2 else None
+    data = {
+        "model": model.name, "seq_len": plan.repeat_seq_len, "config": params.short(), "runs": rows, "cv": cv,
+        "mean_samples_per_s": statistics.fmean(rates) if rates else None,
+        "mean_overhead_s": statistics.fmean(overheads) if overheads else None, "max_overhead_s": max(overheads, default=None),
+        "mean_model_build_s": statistics.fmean(builds) if builds else None,
+        "cv_target": CV_TARGET, "overhead_target_s": OVERHEAD_TARGET_S,
+    }
+    table = md_table(
+        ["run", "status", "samples/s", "CI95", "steps", "stable", "overhead", "model build", "wall"],
+        [(r["run"], r["status"], fmt(r.get("samples_per_s")), fmt(r.get("step_time_ci95_rel"), "pct"), r.get("measured_steps", "-"),
+          r.get("stable", "-"), fmt(r.get("overhead_s"), "s"), fmt(r.get("model_build_s"), "s"), fmt(r.get("wall_s"), "s")) for r in rows],
+    )
+    headline = (
+        f"{model.name} seq {plan.repeat_seq_len} {params.short()}: {len(ok)}/{plan.repeat_runs} runs ok, "
+        f"CV {fmt(cv, 'pct')} (target <= {CV_TARGET:.0%} on a GPU), fixed overhead mean {fmt(data['mean_overhead_s'], 's')} "
+        f"(target <= {OVERHEAD_TARGET_S:.0f}s), model build mean {fmt(data['mean_model_build_s'], 's')}"
+    )
+    if len(ok) < len(rows) or len(rows) < plan.repeat_runs:
+        status = "timeout" if any(r["status"] == "not run" for r in rows) else "flagged"
+        return output(status, f"{len(ok)} of {plan.repeat_runs} runs ok", data, f"{headline}.\n\n{table}")
+    missed = []
+    if ctx.device.is_cuda and cv is not None and cv > CV_TARGET:
+        missed.append(f"CV {cv:.1%} > {CV_TARGET:.0%}")
+    if data["max_overhead_s"] is not None and data["max_overhead_s"] > OVERHEAD_TARGET_S:
+        missed.append(f"fixed overhead up to {data['max_overhead_s']:.2f}s > {OVERHEAD_TARGET_S:.0f}s")
+    met = "targets met" if ctx.device.is_cuda else "ran (the CV target is for a GPU)"
+    return output("flagged" if missed else "ok", "; ".join(missed) or met, data, f"{headline}.\n\n{table}")
+
+
+# ---------------------------------------------------------------------------------------- 3. precision x compile
+
+
+def phase_precision_compile(ctx: Context) -> PhaseOutput:
+    """One probe per precision x compile mode: status, samples/s, MFU and the matmul precision in force."""
+    plan = ctx.plan
+    model = resolve_model(plan.pc_model)
+    evaluator = ctx.evaluator(model, plan.pc_seq_len)
+    rows = ctx.partial.setdefault("rows", [])
+    # Cheapest first: uncompiled, then inductor, then max-autotune (minutes per compile), bf16 first
+    # within each (what people compile), so a box that runs out leaves the most informative subset.
+    order = [(p, mode) for mode in COMPILE_MODES for p in ("bf16", "fp16", "tf32", "fp32")]
+    for precision, mode in order:
+        params = TrialParams(per_device_train_batch_size=plan.pc_batch, precision=precision, torch_compile=mode, attn_implementation="sdpa")
+        why = _unsupported(ctx.device, precision)
+        if why is None and mode != "off" and not ctx.device.is_cuda and not plan.pc_compile_on_cpu:
+            why = "quick mode on the CPU: an inductor compile takes minutes on a few cores"
+        if why:
+            rows.append({**probe_row(params, None), "status": "skipped", "error": why})
+            continue
+        rows.append(probe_row(params, ctx.probe(evaluator, params)))
+    rows.sort(key=lambda r: (PRECISIONS.index(r["precision"]), COMPILE_MODES.index(r["torch_compile"])))
+    ran = [r for r in rows if r["status"] not in ("skipped", "not run")]
+    crashes = [r for r in ran if r["status"] == "crash"]
+    mfu_over = [r for r in ran if r.get("mfu") is not None and r["mfu"] >= 1]
+    not_run = [r for r in rows if r["status"] == "not run"]
+    data = {
+        "model": model.name, "seq_len": plan.pc_seq_len, "batch": plan.pc_batch, "rows": rows,
+        "crashes": len(crashes), "mfu_at_or_over_1": len(mfu_over), "not_run": len(not_run),
+        "target": "no crash caused by our own settings; MFU < 1 everywhere",
+        "target_met": not crashes and not mfu_over,
+    }
+    table = md_table(
+        ["precision", "compile", "status", "samples/s", "MFU", "TFLOP/s", "matmul precision", "graphs in window", "error / reason"],
+        [(r["precision"], r["torch_compile"], r["status"], fmt(r.get("samples_per_s")), fmt(r.get("mfu"), "pct"),
+          fmt(r.get("achieved_tflops")), fmt(r.get("matmul_precision")), fmt(r.get("compiled_graphs_measured")), fmt(r.get("error"))) for r in rows],
+    )
+    headline = (
+        f"{model.name} seq {plan.pc_seq_len} batch {plan.pc_batch}, sdpa, fused AdamW. Target: no crash caused by our own "
+        f"settings, MFU < 1 everywhere: {'met' if data['target_met'] else 'NOT met'} ({len(crashes)} crashes, {len(mfu_over)} with MFU >= 1, "
+        f"{len(ran)} probes ran, {len(not_run)} left out by the time box)"
+    )
+    if crashes or mfu_over:
+        status, reason = "flagged", f"{len(crashes)} crashes, {len(mfu_over)} probes with MFU >= 1"
+    elif not_run:
+        status, reason = "timeout", f"{len(not_run)} probes did not fit in the {ctx.box_s:.0f}s box"
+    else:
+        status, reason = "ok", "no crash, MFU < 1 everywhere"
+    return output(status, reason, data, f"{headline}.\n\n{table}")
+
+
+# ---------------------------------------------------------------------------------------- 4. ceiling
+
+
+def phase_ceiling(ctx: Context) -> PhaseOutput:
+    """A memory ceiling below the card: batches across the predicted boundary; OOMs are ``oom``, nothing ok is over it."""
+    from autotune.search.memory import MemoryModel, ModelDims
+
+    plan = ctx.plan
+    model = resolve_model(plan.ceiling_model)
+    memory = MemoryModel(ModelDims.from_spec(model), plan.ceiling_seq_len)
+    base = TrialParams(precision=_precision_for(ctx.device), attn_implementation="sdpa")
+    ceiling = plan.ceiling_bytes if plan.ceiling_bytes is not None else memory.predict(base.replace(per_device_train_batch_size=8))
+    assert ceiling is not None
+    if ctx.device.is_cuda and ctx.device.total_memory_bytes <= ceiling:
+        return skipped(f"{ctx.device.name} has {format_bytes(ctx.device.total_memory_bytes)}: not more than the {format_bytes(ceiling)} ceiling")
+    predicted_best = memory.largest_batch_that_fits(base, range(1, 4097), ceiling)
+    if predicted_best is None:
+        return skipped(f"the memory model says not even batch 1 of {model.name} fits under {format_bytes(ceiling)}")
+    batches = sorted({max(1, round(predicted_best * f)) for f in plan.ceiling_factors})
+    evaluator = ctx.evaluator(model, plan.ceiling_seq_len, short=True, ceiling=ceiling)
+    rows = ctx.partial.setdefault("rows", [])
+    for batch in batches:
+        params = base.replace(per_device_train_batch_size=batch)
+        predicted = memory.predict(params)
+        row = probe_row(params, ctx.probe(evaluator, params), predicted_peak_bytes=predicted)
+        peak = row.get("peak_mem_bytes")
+        row["over_ceiling"] = row["status"] == "ok" and peak is not None and peak > ceiling
+        row["prediction_error"] = (predicted - peak) / peak if row["status"] == "ok" and peak and predicted else None
+        # An out-of-memory error reported as a crash is a misclassification this phase exists to catch.
+        row["oom_misclassified"] = row["status"] == "crash" and "out of memory" in (row.get("error") or "").lower()
+        rows.append(row)
+    ok_over = [r for r in rows if r["over_ceiling"]]
+    misclassified = [r for r in rows if r["oom_misclassified"]]
+    errors = [abs(r["prediction_error"]) for r in rows if r["prediction_error"] is not None]
+    largest_ok = max((r["per_device_train_batch_size"] for r in rows if r["status"] == "ok"), default=None)
+    smallest_oom = min((r["per_device_train_batch_size"] for r in rows if r["status"] == "oom"), default=None)
+    data = {
+        "model": model.name, "seq_len": plan.ceiling_seq_len, "config": base.short(), "ceiling_bytes": ceiling,
+        "predicted_largest_batch": predicted_best, "largest_ok_batch": largest_ok, "smallest_oom_batch": smallest_oom,
+        "ok_over_ceiling": len(ok_over), "oom_misclassified": len(misclassified),
+        "mean_abs_prediction_error": statistics.fmean(errors) if errors else None, "rows": rows,
+        "cpu_note": None if ctx.device.is_cuda else "on the CPU the peak is the process RSS and the ceiling a simulated one",
+    }
+    table = md_table(
+        ["batch", "status", "predicted peak", "measured peak", "prediction error", "over ceiling", "error"],
+        [(r["per_device_train_batch_size"], r["status"], fmt(r["predicted_peak_bytes"], "bytes"), fmt(r.get("peak_mem_bytes"), "bytes"),
+          fmt(r["prediction_error"], "pct"), "YES" if r["over_ceiling"] else "no", fmt(r.get("error"))) for r in rows],
+    )
+    headline = (
+        f"{model.name} seq {plan.ceiling_seq_len} {base.short()} under a {format_bytes(ceiling)} ceiling on {ctx.device.name}: "
+        f"memory model's largest batch {predicted_best}, measured largest ok {fmt(largest_ok)}, smallest OOM {fmt(smallest_oom)}; "
+        f"ok probes over the ceiling: {len(ok_over)} (target 0); OOMs reported as crashes: {len(misclassified)} (target 0); "
+        f"mean |prediction error| {fmt(data['mean_abs_prediction_error'], 'pct')}"
+    )
+    if data["cpu_note"]:
+        headline += f" ({data['cpu_note']})"
+    if ok_over or misclassified:
+        status, reason = "flagged", f"{len(ok_over)} ok probes over the ceiling, {len(misclassified)} OOMs classified crash"
+    elif any(r["status"] == "not run" for r in rows):
+        status, reason = "timeout", "not every batch was probed within the box"
+    elif smallest_oom is None:
+        status, reason = "ok", f"no ok probe over the ceiling; none ran out of memory up to batch {max(batches)}"
+    else:
+        status, reason = "ok", "OOMs classified oom, no ok probe over the ceiling"
+    return output(status, reason, data, f"{headline}.\n\n{table}")
+
+
+# ---------------------------------------------------------------------------------------- 5. run
+
+
+def study_storage(out: Path, name: str = "autotune.db") -> str:
+    return f"sqlite:///{(out / name).resolve()}"
+
+
+def phase_run(ctx: Context) -> PhaseOutput:
+    """``autotune run --model M --seq-len S --budget B`` through :func:`autotune.api.tune`, study and report in the output folder."""
+    plan = ctx.plan
+    budget_s = min(plan.run_budget_s, ctx.remaining() - plan.run_report_reserve_s)
+    if budget_s < (5 if plan.quick else 60):
+        return output("timeout", "no time left in the box for a run", {}, "Not run: no time left in the box.")
+    storage = study_storage(ctx.out)
+    command = f"autotune run --model {plan.run_model} --seq-len {plan.run_seq_len} --budget {budget_s:.0f}s --space {plan.run_space} --storage {storage}"
+    ctx.log(command)
+    result, wall_s = _tune(ctx, plan.run_model, plan.run_seq_len, budget_s, storage, command)
+    data = _tune_figures(result, wall_s)
+    data.update(command=command, budget_s=budget_s, storage=storage, database=(ctx.out / "autotune.db").name)
+    report = ctx.out / f"{result.study_name}.html"
+    data["report"] = report.name if report.exists() else None
+    ranked = result.ranked().head(5)
+    table = md_table(
+        ["rank", "configuration", "samples/s", "tokens/s", "peak memory", "MFU", "probes"],
+        [(i + 1, r["config"], fmt(r["samples_per_s"]), fmt(r["tokens_per_s"]), fmt(r["peak_mem_bytes"], "bytes"), fmt(r["mfu"], "pct"),
+          r["n_measurements"]) for i, r in enumerate(_ranked_rows(ranked))],
+    )
+    counts = ", ".join(f"{k} {v}" for k, v in sorted(data["counts"].items()))
+    headline = (
+        f"`{command}`: stopped because {data['stopped_because']} after {fmt(wall_s, 's')}; trials: {counts}. Best: "
+        f"{data['best_config'] or 'nothing fit'} at {fmt(data['best_samples_per_s'])} samples/s, {fmt(data['speedup'], 'ratio')}x the "
+        f"transformers defaults, first measured after {fmt(data['time_to_best_s'], 's')}. Study: `{data['database']}` "
+        f"(study `{result.study_name}`), report: `{data['report']}`"
+    )
+    if plan.run_budget_s < 600 and not plan.quick:
+        headline += f". The budget is {plan.run_budget_s / 60:.0f} minutes, not 10, so that the whole acceptance run fits in 25 minutes"
+    if data["best_config"] is None:
+        return output("flagged", "nothing fit under the ceiling", data, f"{headline}.\n\n{table}")
+    if data["report"] is None:
+        return output("flagged", "no HTML report was written", data, f"{headline}.\n\n{table}")
+    return output("ok", f"best {data['best_config']}, {fmt(data['speedup'], 'ratio')}x the defaults", data, f"{headline}.\n\n{table}")
+
+
+def _tune(ctx: Context, model: str, seq_len: int, budget_s: float, storage: str, command: str, study: str | None = None) -> tuple[Any, float]:
+    """:func:`autotune.api.tune`'s own path (``plan_run`` then ``run_plan``); in quick mode its probes
+    stop measuring sooner, so that a budget of seconds runs a few of them."""
+    from autotune.api import RunOptions, plan_evaluator, plan_run, run_plan
+
+    plan = ctx.plan
+    started = time.monotonic()
+    run = plan_run(RunOptions.of(
+        model=model, seq_len=seq_len, budget=budget_s, space=plan.run_space, device=ctx.device_arg, storage=storage, study=study,
+        warmup_steps=plan.warmup_steps, measure_steps=plan.measure_steps, trial_timeout=plan.probe_cap_s,
+    ))
+    evaluator = None
+    if plan.quick:
+        evaluator = replace(plan_evaluator(run), max_measure_steps=plan.max_measure_steps, max_measure_s=plan.max_measure_s)
+    result = run_plan(run, evaluator=evaluator, report_dir=ctx.out, command=command).result
+    return result, time.monotonic() - started
+
+
+def _ranked_rows(frame: Any) -> list[dict[str, Any]]:
+    rows = []
+    for record in frame.to_dict("records"):
+        params = TrialParams.from_dict({n: _plain(record[n]) for n in PARAM_NAMES})
+        rows.append({**{k: _plain(v) for k, v in record.items()}, "config": params.short()})
+    return rows
+
+
+def _plain(value: Any) -> Any:
+    """numpy/pandas scalars -> Python; NaN -> None."""
+    if hasattr(value, "item") and not isinstance(value, (list, tuple, dict)):
+        try:
+            value = value.item()
+        except (ValueError, AttributeError):
+            pass
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    return value
+
+
+def _tune_figures(result: Any, wall_s: float | None) -> dict[str, Any]:
+    """What the summary reports of a finished study: best, speed-up, outcomes, time until the best was first measured."""
+    best = result.best
+    time_to_best = None
+    best_config = None
+    if best is not None:
+        trials = result.trials
+        first = int(best["probe_trials"][0])
+        finished = trials.loc[trials["trial"] == first, "finished_at"].iloc[0]
+        started = trials["started_at"].dropna().min()
+        if finished is not None and started is not None:
+            time_to_best = (finished - started).total_seconds()
+        best_config = TrialParams.from_dict(result.best_params).short()
+    return {
+        "study": result.study_name, "stopped_because": result.stopped_because, "wall_s": wall_s, "counts": result.counts(),
+        "best_params": result.best_params, "best_config": best_config,
+        "best_samples_per_s": _plain(best["samples_per_s"]) if best is not None else None,
+        "speedup": result.speedup, "time_to_best_s": time_to_best,
+        "memory_ceiling_bytes": result.memory_ceiling_bytes,
+    }
+
+
+# ---------------------------------------------------------------------------------------- 6. side by side
+
+
+def phase_side_by_side(ctx: Context) -> PhaseOutput:
+    """transformers' defaults, auto_find_batch_size, the largest batch that fits, an expert's pick and autotune's best, probed
+    alike; then autotune's best re-measured by a plain Trainer."""
+    from autotune.space import load_space
+
+    plan = ctx.plan
+    model = resolve_model(plan.sbs_model)
+    run_data = _read_phase(ctx.out, "run")
+    ceiling = (run_data or {}).get("memory_ceiling_bytes") or int(0.95 * ctx.device.total_memory_bytes)
+    evaluator = replace(
+        ctx.evaluator(model, plan.sbs_seq_len, ceiling=ceiling), warmup_steps=plan.sbs_warmup_steps, measure_steps=plan.sbs_measure_steps,
+    )
+    finder_evaluator = ctx.evaluator(model, plan.sbs_seq_len, short=True, ceiling=ceiling)
+    rows = ctx.partial.setdefault("rows", [])
+    notes: list[str] = []
+    measured: dict[tuple[Any, ...], ProbeResult | None] = {}
+
+    def measure(params: TrialParams) -> ProbeResult | None:
+        # Two methods that land on the same configuration share its measurement.
+        if measured.get(params.key()) is None:
+            measured[params.key()] = ctx.probe(evaluator, params)
+        return measured[params.key()]
+
+    defaults = TrialParams()
+    rows.append(probe_row(defaults, measure(defaults), method="transformers defaults", time_to_find_s=0.0))
+
+    # auto_find_batch_size as users run it: one Trainer, in-process retries after each OOM.
+    found = _trainer_run(ctx, model, plan.sbs_seq_len, {"mode": "auto_find", "start_batch": plan.auto_find_start, "steps": plan.auto_find_steps})
+    if found.get("status") == "ok":
+        params = defaults.replace(per_device_train_batch_size=found["batch_size"])
+        rows.append(probe_row(params, measure(params), method=f"auto_find_batch_size (from {plan.auto_find_start})",
+                              time_to_find_s=found.get("train_s")))
+    else:
+        rows.append({**probe_row(defaults, None), "method": "auto_find_batch_size", "status": found.get("status", "crash"),
+                     "error": found.get("error")})
+
+    # The largest batch at default settings: double until OOM, then binary search (Lightning's "binsearch").
+    largest, finder_s, finder_probes = _largest_batch(ctx, finder_evaluator, defaults, ceiling)
+    if largest is not None:
+        params = defaults.replace(per_device_train_batch_size=largest)
+        rows.append(probe_row(params, measure(params), method=f"largest batch that fits ({finder_probes} probes)",
+                              time_to_find_s=finder_s))
+    else:
+        rows.append({**probe_row(defaults, None), "method": "largest batch that fits", "error": "no batch fit, or no time left"})
+
+    # An expert's hand-tuned pick: bf16, sdpa, fused AdamW, compiled, at the largest batch the memory model allows.
+    sizes = [b for b in load_space(plan.run_space).choices["per_device_train_batch_size"] if b <= plan.finder_max]
+    rows.append(_expert(ctx, model, measure, ceiling, sizes))
+
+    # autotune's best, from the run phase's study, else a short run here.
+    best_params, time_to_best, source = _autotune_best(ctx, run_data, notes)
+    if best_params is not None:
+        params = TrialParams.from_dict(best_params)
+        best_result = measure(params)
+        rows.append(probe_row(params, best_result, method=f"autotune ({source})", time_to_find_s=time_to_best))
+    else:
+        best_result = None
+        rows.append({**probe_row(defaults, None), "method": "autotune", "status": "nothing fit", "error": "autotune found nothing that fits"})
+
+    # The same configuration trained by a plain Trainer outside the probe: must agree within 5%.
+    check: dict[str, Any] = {"status": "not run"}
+    if best_params is not None and best_result is not None and best_result.ok and ctx.remaining() > (5 if plan.quick else 30):
+        params = TrialParams.from_dict(best_params)
+        request = {"mode": "timed", "params": params.to_dict(), "warmup_steps": evaluator.spec_for(params).warmup_steps,
+                   "measure_steps": max(plan.timed_measure_steps, best_result.measured_steps)}
+        check = _trainer_run(ctx, model, plan.sbs_seq_len, request)
+        if check.get("status") == "ok" and best_result.samples_per_s:
+            check["ratio"] = check["samples_per_s"] / best_result.samples_per_s
+            check["within_tolerance"] = abs(check["ratio"] - 1) <= RATIO_TOLERANCE
+
+    base = next((r.get("samples_per_s") for r in rows if r["method"] == "transformers defaults"), None)
+    for row in rows:
+        row["speedup_vs_defaults"] = row["samples_per_s"] / base if base and row.get("samples_per_s") else None
+    data = {"model": model.name, "seq_len": plan.sbs_seq_len, "memory_ceiling_bytes": ceiling, "rows": rows, "plain_trainer_check": check,
+            "notes": notes}
+    table = md_table(
+        ["method", "configuration", "status", "samples/s", "tokens/s", "peak memory", "MFU", "J/sample", "time to find", "vs defaults"],
+        [(r["method"], r["config"], r["status"], fmt(r.get("samples_per_s")), fmt(r.get("tokens_per_s")), fmt(r.get("peak_mem_bytes"), "bytes"),
+          fmt(r.get("mfu"), "pct"), fmt(r.get("energy_per_sample_j")), fmt(r.get("time_to_find_s"), "s"),
+          f"{r['speedup_vs_defaults']:.2f}x" if r.get("speedup_vs_defaults") else "-") for r in rows],
+    )
+    if check.get("ratio") is not None:
+        verdict = "within" if check["within_tolerance"] else "OUTSIDE"
+        check_line = (
+            f"Plain `Trainer.train()` re-measure of autotune's best ({check['measured_steps']} steps after warm-up, synchronised): "
+            f"{check['samples_per_s']:.2f} samples/s, {check['ratio']:.3f}x the probe's figure: {verdict} the {RATIO_TOLERANCE:.0%} tolerance"
+        )
+    else:
+        check_line = f"Plain `Trainer.train()` re-measure: {check.get('status')} {check.get('error') or ''}".strip()
+    markdown = (
+        f"{model.name} seq {plan.sbs_seq_len}, every row probed the same way (fresh process, {evaluator.warmup_steps} warm-up steps, "
+        f"at least {evaluator.measure_steps} measured, until stable or {evaluator.max_measure_s:.0f}s), under the {format_bytes(ceiling)} ceiling of the run phase. Time to find: auto_find_batch_size's "
+        f"`Trainer.train()` with its OOM retries; the finder's short probes; autotune's time until its best was first measured.\n\n"
+        f"{table}\n\n{check_line}." + "".join(f"\n\n{n}" for n in notes)
+    )
+    failed = [r["method"] for r in rows if r["status"] not in ("ok",)]
+    if check.get("within_tolerance") is False:
+        return output("flagged", f"plain Trainer / probe = {check['ratio']:.3f}, outside {RATIO_TOLERANCE:.0%}", data, markdown)
+    if any(r["status"] == "not run" for r in rows) or check.get("status") == "not run":
+        return output("timeout", f"not everything ran within the {ctx.box_s:.0f}s box: {', '.join(failed) or 'the plain Trainer check'}",
+                      data, markdown)
+    if failed or check.get("status") != "ok":
+        return output("flagged", f"not ok: {', '.join(failed) or 'the plain Trainer check: ' + str(check.get('error'))}", data, markdown)
+    return output("ok", f"plain Trainer / probe = {check['ratio']:.3f}", data, markdown)
+
+
+def _trainer_run(ctx: Context, model: ModelSpec, seq_len: int, request: dict[str, Any]) -> dict[str, Any]:
+    """A :mod:`bench.gpu_trainer` request in a process of its own: forked from autotune's probe server
+    (torch already imported), or a new interpreter where that server is not usable."""
+    import multiprocessing
+    import signal
+
+    from autotune.probe.isolation import child_env, start_server
+    from autotune.records import ProbeSpec
+    from bench import gpu_trainer
+
+    request = {**request, "model": model.to_dict(), "seq_len": seq_len, "device": ctx.probe_device}
+    timeout_s = min(ctx.plan.probe_cap_s, ctx.remaining())
+    if timeout_s < 2:
+        return {"status": "not run", "error": "no time left in the box"}
+    # The probes' environment: the same GPU, outside any distributed job, libraries quiet.
+    env = child_env(ProbeSpec(model=model.to_dict(), params=TrialParams(), seq_len=seq_len, device=ctx.probe_device))
+    forked = start_server() is not False  # False: the server failed its CUDA self-test (older autotune: None)
+    ctx.log(f"plain Trainer: {request['mode']} {request.get('params') or ''} (deadline {timeout_s:.0f}s)")
+    with tempfile.TemporaryDirectory(prefix="autotune-acceptance-") as tmp:
+        request_path, result_path, log_path = Path(tmp) / "request.json", Path(tmp) / "result.json", Path(tmp) / "log.txt"
+        request_path.write_text(json.dumps(request), encoding="utf-8")
+        started = time.monotonic()
+        if forked:
+            process = multiprocessing.get_context("forkserver").Process(
+                target=gpu_trainer.forked_main, args=(str(request_path), str(result_path), str(log_path), env),
+                name="autotune-acceptance-trainer",
+            )
+            process.start()
+            try:
+                process.join(timeout_s)
+            finally:
+                if process.exitcode is None:
+                    try:
+                        os.killpg(process.pid, signal.SIGKILL)  # the child and its DataLoader workers
+                    except (ProcessLookupError, PermissionError):
+                        process.kill()
+                    process.join()
+            exitcode = process.exitcode
+        else:
+            command = [sys.executable, "-m", "bench.gpu_trainer", str(request_path), str(result_path)]
+            exitcode, text = run_command(command, timeout_s=timeout_s, env=env)
+            log_path.write_text(text, encoding="utf-8")
+        wall_s = time.monotonic() - started
+        if result_path.exists():
+            result = json.loads(result_path.read_text(encoding="utf-8"))
+        else:
+            tail = log_path.read_text(encoding="utf-8", errors="replace")[-1500:] if log_path.exists() else ""
+            status = "timeout" if wall_s >= timeout_s else "crash"
+            result = {"status": status, "error": f"exit code {exitcode}: {_first_line(tail)}"}
+    result["wall_s"] = wall_s
+    ctx.log(f"  -> {result}")
+    return result
+
+
+def _largest_batch(ctx: Context, evaluator: ProbeEvaluator, params: TrialParams, ceiling: int) -> tuple[int | None, float, int]:
+    """Lightning's ``binsearch`` batch finder over short probes: double from ``finder_start`` until a
+    probe does not fit, then halve the interval until it is one wide. (largest fitting batch, seconds, probes)."""
+    plan = ctx.plan
+    low, high, size = 0, None, plan.finder_start
+    spent, probes = 0.0, 0
+    for _ in range(plan.finder_max_trials):
+        result = ctx.probe(evaluator, params.replace(per_device_train_batch_size=size))
+        if result is None:
+            break
+        probes += 1
+        spent += result.wall_s or 0.0
+        if result.fits(ceiling):
+            low = size
+            if high is None:
+                if size >= plan.finder_max:
+                    break
+                size = min(size * 2, plan.finder_max)
+                continue
+        elif result.status in (ProbeStatus.OOM, ProbeStatus.OK):  # out of memory, or over the ceiling
+            high = size
+        else:
+            break  # a crash or a timeout says nothing about memory
+        if high is not None:
+            if high - low <= 1:
+                break
+            size = (low + high) // 2
+    return (low or None), spent, probes
+
+
+def _expert(
+    ctx: Context, model: ModelSpec, measure: Callable[[TrialParams], ProbeResult | None], ceiling: int, batch_sizes: Iterable[int],
+) -> dict[str, Any]:
+    from autotune.search.memory import MemoryModel, ModelDims
+
+    memory = MemoryModel(ModelDims.from_spec(model), ctx.plan.sbs_seq_len)
+    compile_mode = "inductor" if ctx.device.is_cuda or ctx.plan.pc_compile_on_cpu else "off"
+    params = TrialParams(precision=_precision_for(ctx.device), optim="adamw_torch_fused", attn_implementation="sdpa", torch_compile=compile_mode)
+    sizes = sorted(batch_sizes)
+    batch = memory.largest_batch_that_fits(params, sizes, ceiling) or sizes[0]
+    compiled = "compiled (inductor)" if compile_mode != "off" else "not compiled (quick mode on the CPU)"
+    method = f"expert: {params.precision}, sdpa, fused AdamW, {compiled}, largest batch"
+    spent = 0.0
+    for _ in range(3):  # step down a size if the predicted largest batch does not fit after all
+        candidate = params.replace(per_device_train_batch_size=batch)
+        result = measure(candidate)
+        if result is not None and result.status is ProbeStatus.OOM and batch > sizes[0]:
+            spent += result.wall_s or 0.0
+            batch = max(b for b in sizes if b < batch)
+            continue
+        return probe_row(candidate, result, method=method, time_to_find_s=spent)
+    return probe_row(params.replace(per_device_train_batch_size=batch), None, method=method)
+
+
+def _autotune_best(ctx: Context, run_data: dict[str, Any] | None, notes: list[str]) -> tuple[dict[str, Any] | None, float | None, str]:
+    from autotune.results import load_result
+
+    plan = ctx.plan
+    if run_data and run_data.get("study") and run_data.get("best_params"):
+        result = load_result(run_data["study"], run_data["storage"])
+        figures = _tune_figures(result, None)
+        if figures["best_params"]:
+            return figures["best_params"], figures["time_to_best_s"], f"run phase, {format_duration(run_data['budget_s'])} budget"
+    budget_s = min(plan.sbs_fallback_tune_s, ctx.remaining() / 3)
+    notes.append(f"No study from the run phase: autotune ran here for {budget_s:.0f}s.")
+    storage = study_storage(ctx.out, "side_by_side.db")
+    command = f"autotune run --model {plan.sbs_model} --seq-len {plan.sbs_seq_len} --budget {budget_s:.0f}s --storage {storage}"
+    result, _ = _tune(ctx, plan.sbs_model, plan.sbs_seq_len, budget_s, storage, command, study="side-by-side")
+    figures = _tune_figures(result, None)
+    return figures["best_params"], figures["time_to_best_s"], f"{budget_s:.0f}s run here"
+
+
+def _read_phase(out: Path, name: str) -> dict[str, Any] | None:
+    path = out / f"{name}.json"
+    if not path.exists():
+        return None
+    return json.loads(path.read_text(encoding="utf-8")).get("data")
+
+
+# ---------------------------------------------------------------------------------------- 7. landscape
+
+
+def landscape_grid(grid: dict[str, tuple[Any, ...]]) -> list[TrialParams]:
+    """Every combination of the grid's values (a replay table must hold them all), cheapest first:
+    uncompiled configurations, then compiled ones grouped by compiled graph so each compiles cold once
+    and the rest of its group hits inductor's cache."""
+    configs = [TrialParams(**dict(zip(PARAM_NAMES, combo))) for combo in itertools.product(*(grid[n] for n in PARAM_NAMES))]
+
+    def key(p: TrialParams) -> tuple[Any, ...]:
+        graph = (p.per_device_train_batch_size, p.precision, p.attn_implementation, p.gradient_checkpointing)
+        return (grid["torch_compile"].index(p.torch_compile), graph, p.optim, p.gradient_accumulation_steps, p.dataloader_num_workers)
+
+    return sorted(configs, key=lambda p: tuple(str(k) for k in key(p)))
+
+
+def complete_subgrid(grid: dict[str, tuple[Any, ...]], done: set[tuple[Any, ...]]) -> dict[str, tuple[Any, ...]] | None:
+    """The grid, or failing that the grid with ``torch_compile`` cut to its first values, whose every
+    combination has been probed (the largest full factorial that a replay table can be made of)."""
+    values = grid["torch_compile"]
+    for keep in range(len(values), 0, -1):
+        sub = {**grid, "torch_compile": values[:keep]}
+        if all(c.key() in done for c in landscape_grid(sub)):
+            return sub
+    return None
+
+
+def _landscape_ceiling(ctx: Context, model: ModelSpec) -> int | None:
+    """Where half the largest-batch memory groups are predicted to fit: OOM rows on both sides of it."""
+    from autotune.search.memory import MemoryModel, ModelDims
+
+    if not ctx.device.is_cuda:
+        return None  # a simulated ceiling on the CPU compares process RSS: everything would be "oom"
+    grid = ctx.plan.land_grid
+    memory = MemoryModel(ModelDims.from_spec(model), ctx.plan.land_seq_len)
+    largest = max(grid["per_device_train_batch_size"])
+    peaks = [memory.predict(c) for c in landscape_grid(grid) if c.per_device_train_batch_size == largest]
+    median = statistics.median(p for p in peaks if p is not None)
+    return int(min(round(median / (GiB / 2)) * (GiB / 2), 0.95 * ctx.device.total_memory_bytes))
+
+
+def phase_landscape(ctx: Context) -> PhaseOutput:
+    """A replay table recorded on this device (every combination of a few values per dimension), then ``bench.search`` on it."""
+    import pandas as pd
+
+    from autotune.search.replay import load_table
+
+    plan = ctx.plan
+    model = resolve_model(plan.land_model)
+    grid = plan.land_grid
+    configs = landscape_grid(grid)
+    ceiling = _landscape_ceiling(ctx, model)
+    identity = {"model": model.name, "seq_len": plan.land_seq_len, "device": ctx.device.name, "ceiling_bytes": ceiling, "quick": plan.quick}
+    rows_path = ctx.out / "landscape_rows.jsonl"
+    done: dict[tuple[Any, ...], dict[str, Any]] = {}
+    if rows_path.exists():  # resume: a previous run's rows of the same landscape are kept
+        for line in rows_path.read_text(encoding="utf-8").splitlines():
+            row = json.loads(line)
+            if all(row.get(k) == v for k, v in identity.items()):
+                done[TrialParams.from_dict(row).key()] = row
+    resumed = len(done)
+    evaluator = ctx.evaluator(model, plan.land_seq_len, short=True, ceiling=ceiling)
+    # Short probes, but measured over two steps: a replay row needs a speed, not just fit/no-fit.
+    evaluator = replace(evaluator, measure_steps=2, max_measure_steps=2)
+    ctx.log(f"{len(configs)} configurations, {resumed} already probed, ceiling {format_bytes(ceiling)}")
+    with rows_path.open("a", encoding="utf-8") as sink:
+        for params in configs:
+            if params.key() in done:
+                continue
+            result = ctx.probe(evaluator, params, reserve_s=plan.land_reserve_s)
+            if result is None:
+                break
+            row = {**identity, **params.to_dict(), "status": str(result.status), "samples_per_s": result.samples_per_s,
+                   "tokens_per_s": result.tokens_per_s, "peak_mem_bytes": result.peak_mem_bytes, "probe_s": result.wall_s,
+                   "mfu": result.mfu, "error": None if result.ok else _first_line(result.error, 200)}
+            done[params.key()] = row
+            sink.write(json.dumps(row) + "\n")
+            sink.flush()
+            ctx.partial["probed"] = len(done)
+    statuses: dict[str, int] = {}
+    for row in done.values():
+        statuses[row["status"]] = statuses.get(row["status"], 0) + 1
+    sub = complete_subgrid(grid, set(done))
+    table_path = ctx.out / f"landscape_{ctx.slug}.csv.gz"
+    data: dict[str, Any] = {
+        **identity, "grid": {k: list(v) for k, v in grid.items()}, "configurations": len(configs), "probed": len(done),
+        "resumed": resumed, "statuses": statuses, "table": None, "table_rows": 0,
+    }
+    if sub is not None:
+        keys = {c.key() for c in landscape_grid(sub)}
+        frame = pd.DataFrame([done[k] for k in done if k in keys])
+        columns = [*PARAM_NAMES, "status", "samples_per_s", "peak_mem_bytes", "probe_s", "tokens_per_s", "mfu", "error"]
+        frame[columns].to_csv(table_path, index=False)
+        table = load_table(table_path)
+        table.check_space(table.space())  # every combination present: replayable with its own space
+        data.update(table=table_path.name, table_rows=len(table), table_space={k: list(v) for k, v in sub.items()})
+    search = _bench_search(ctx, table_path, ceiling) if sub is not None else {"status": "not run", "error": "no complete table"}
+    data["bench_search"] = search
+    markdown = _landscape_markdown(ctx, data, search, sub)
+    if len(done) < len(configs):
+        return output("timeout", f"{len(done)} of {len(configs)} configurations probed: run `--phase landscape` again to go on", data, markdown)
+    if search.get("status") != "ok":
+        return output("flagged", f"bench.search: {search.get('error')}", data, markdown)
+    return output("ok", f"{len(done)} configurations ({', '.join(f'{k} {v}' for k, v in sorted(statuses.items()))})", data, markdown)
+
+
+def _bench_search(ctx: Context, table: Path, ceiling: int | None) -> dict[str, Any]:
+    from autotune.search.replay import load_table
+
+    plan = ctx.plan
+    ceiling_text = str(ceiling if ceiling is not None else int(0.95 * ctx.device.total_memory_bytes))
+    # A budget relative to the table: with the whole grid's time every strategy would find the best.
+    budget_s = max(60, round(float(load_table(table).frame["probe_s"].sum()) * plan.bench_budget_fraction))
+    command = [sys.executable, "-m", "bench.search", f"{table}:{ceiling_text}", "--seeds", str(plan.bench_seeds), "--budget", f"{budget_s}s"]
+    ctx.log(" ".join(command[1:]))
+    returncode, stdout = run_command(command, timeout_s=max(ctx.remaining(), 10.0))
+    (ctx.out / "bench_search.txt").write_text(stdout, encoding="utf-8")
+    if returncode != 0:
+        return {"status": "timeout" if returncode is None else "failed", "error": _first_line(stdout), "command": " ".join(command[1:])}
+    try:
+        summary = json.loads(stdout.strip().splitlines()[-1])
+    except (json.JSONDecodeError, IndexError):
+        return {"status": "failed", "error": "its last line is not the JSON summary", "command": " ".join(command[1:])}
+    return {"status": "ok", "command": " ".join(command[1:]), "ceiling_bytes": int(ceiling_text), "virtual_budget_s": budget_s, **summary}
+
+
+def _landscape_markdown(ctx: Context, data: dict[str, Any], search: dict[str, Any], sub: dict[str, Any] | None) -> str:
+    grid = ", ".join(f"{k} {{{', '.join(map(str, v))}}}" for k, v in data["grid"].items())
+    statuses = ", ".join(f"{k} {v}" for k, v in sorted(data["statuses"].items()))
+    lines = [
+        f"{data['model']} seq {data['seq_len']} on {ctx.device.name}, probe memory ceiling {format_bytes(data['ceiling_bytes'])}: "
+        f"{data['probed']} of {data['configurations']} configurations probed ({data['resumed']} from an earlier run); outcomes: {statuses or 'none'}.",
+        f"Grid: {grid}.",
+    ]
+    if sub is None:
+        lines.append("No complete full factorial yet, so no replay table: run `--phase landscape` again to go on.")
+    else:
+        narrowed = "" if sub == ctx.plan.land_grid else f" (torch_compile limited to {list(sub['torch_compile'])}: the compiled half is not complete yet)"
+        lines.append(f"Replay table: `{data['table']}`, {data['table_rows']} rows{narrowed}.")
+    tables = search.get("tables") or {}
+    if search.get("status") == "ok" and tables:
+        figures = next(iter(tables.values()))
+        rows = [
+            (name, fmt(f.get("median_ratio"), "ratio"), fmt(f.get("worst_ratio"), "ratio"), fmt(f.get("median_time_fraction"), "pct"),
+             fmt(f.get("oom_probes_median")), fmt(f.get("pruned_median")), fmt(f.get("remeasures_median")), fmt(f.get("returned_over_ceiling")))
+            for name, f in figures.items() if isinstance(f, dict)
+        ]
+        lines.append(
+            f"`python {search['command']}` (a virtual budget of {format_duration(search['virtual_budget_s'])}: "
+            f"{ctx.plan.bench_budget_fraction:.0%} of the table's probe time, at least a minute; true best {fmt(figures.get('true_best_samples_per_s'))} samples/s under the ceiling):\n\n"
+            + md_table(["strategy", "median ratio", "worst ratio", "time / grid", "OOM probes/run", "pruned/run", "re-measures/run",
+                        "over ceiling"], rows)
+        )
+    else:
+        lines.append(f"bench.search: {search.get('status')} {search.get('error') or ''}".strip() + ".")
+    return "\n\n".join(lines)
+
+
+PHASE_FUNCTIONS: dict[str, Callable[[Context], PhaseOutput]] = {
+    "tests": phase_tests,
+    "repeatability": phase_repeatability,
+    "precision_compile": phase_precision_compile,
+    "ceiling": phase_ceiling,
+    "run": phase_run,
+    "side_by_side": phase_side_by_side,
+    "landscape": phase_landscape,
+}

@@ -1,0 +1,153 @@
+"""Download the wheels a GPU image may lack into ``wheelhouse/``, for the offline acceptance run.
+
+    make wheelhouse                        # where PyPI is reachable; then copy the checkout (with wheelhouse/) to the GPU box
+    python -m bench.wheelhouse --dest wheelhouse --python-version 3.12
+
+A typical CUDA image has torch, numpy and transformers (with huggingface_hub and safetensors) but
+not optuna, plotly, rich, pandas, accelerate, nvidia-ml-py or pytest. This downloads those and
+everything they require, for CPython 3.12 on x86_64 manylinux, with ``--only-binary=:all:`` (no
+build step offline) and ``--no-deps`` (pip would otherwise resolve torch too, gigabytes). The
+dependency closure is computed here instead, from each wheel's ``Requires-Dist`` evaluated for the
+target interpreter; the packages named in :data:`IMAGE_PROVIDES` are left to the image.
+
+Versions are those installed in the running environment where it has them (they were resolved
+together, so they agree), else the newest that pip finds. Every distribution ends up with exactly
+one wheel; a requirement that a chosen version does not satisfy is reported. pyarrow is left out:
+only ``--dataset x.parquet`` needs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import zipfile
+from email.parser import Parser
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name, parse_wheel_filename
+
+ROOTS = (
+    "optuna", "plotly", "rich", "nvidia-ml-py", "pyyaml", "pandas", "accelerate", "pytest", "pytest-timeout",
+    "tqdm", "colorlog", "typing-extensions", "packaging",
+)
+# What any torch + transformers image already has; downloading torch would be gigabytes.
+IMAGE_PROVIDES = frozenset({"torch", "numpy", "transformers", "huggingface-hub", "safetensors", "tokenizers"})
+PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
+
+
+def target_environment(python_version: str) -> dict[str, str]:
+    """PEP 508 marker values of the interpreter the wheels are for."""
+    return {
+        "python_version": python_version,
+        "python_full_version": f"{python_version}.0",
+        "implementation_name": "cpython",
+        "implementation_version": f"{python_version}.0",
+        "platform_python_implementation": "CPython",
+        "platform_system": "Linux",
+        "sys_platform": "linux",
+        "platform_machine": "x86_64",
+        "os_name": "posix",
+        "extra": "",
+    }
+
+
+def wheel_requirements(path: Path, environment: dict[str, str]) -> list[Requirement]:
+    """The ``Requires-Dist`` of a wheel that apply to ``environment`` (no extras)."""
+    with zipfile.ZipFile(path) as archive:
+        name = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
+        metadata = Parser().parsestr(archive.read(name).decode("utf-8"))
+    requirements = []
+    for text in metadata.get_all("Requires-Dist") or []:
+        requirement = Requirement(text)
+        if requirement.marker is None or requirement.marker.evaluate(environment):
+            requirements.append(requirement)
+    return requirements
+
+
+def wheels_by_name(dest: Path) -> dict[str, list[Path]]:
+    found: dict[str, list[Path]] = {}
+    for path in sorted(dest.glob("*.whl")):
+        found.setdefault(canonicalize_name(parse_wheel_filename(path.name)[0]), []).append(path)
+    return found
+
+
+def pinned(name: str) -> str:
+    """``name==version`` as installed here, else the bare name (pip picks the newest)."""
+    try:
+        return f"{name}=={version(name)}"
+    except PackageNotFoundError:
+        return name
+
+
+def download(requirements: list[str], dest: Path, python_version: str) -> None:
+    abi = "cp" + python_version.replace(".", "")
+    command = [
+        sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check", "--no-deps",
+        "--only-binary=:all:", "--python-version", python_version, "--implementation", "cp", "--abi", abi,
+        *[arg for platform in PLATFORMS for arg in ("--platform", platform)], "-d", str(dest), *requirements,
+    ]
+    subprocess.run(command, check=True)
+
+
+def build(dest: Path, python_version: str) -> dict[str, Path]:
+    """Fill ``dest`` with the closure of :data:`ROOTS`, one wheel per distribution; returns name -> wheel.
+
+    Raises:
+        SystemExit: when a distribution has two wheels or a requirement is not met.
+    """
+    dest.mkdir(parents=True, exist_ok=True)
+    for stale in dest.glob("*.whl"):  # one version of each: start from an empty folder
+        stale.unlink()
+    environment = target_environment(python_version)
+    wanted = [canonicalize_name(n) for n in ROOTS]
+    while True:
+        have = wheels_by_name(dest)
+        missing = [n for n in dict.fromkeys(wanted) if n not in have]
+        if not missing:
+            break
+        download([pinned(n) for n in missing], dest, python_version)
+        have = wheels_by_name(dest)
+        for paths in have.values():
+            for requirement in wheel_requirements(paths[0], environment):
+                name = canonicalize_name(requirement.name)
+                if name not in IMAGE_PROVIDES:
+                    wanted.append(name)
+    have = wheels_by_name(dest)
+    duplicates = {n: [p.name for p in paths] for n, paths in have.items() if len(paths) > 1}
+    if duplicates:
+        raise SystemExit(f"more than one wheel for {duplicates}: delete {dest} and run again")
+    versions = {n: str(parse_wheel_filename(paths[0].name)[1]) for n, paths in have.items()}
+    problems = []
+    for name, paths in have.items():
+        for requirement in wheel_requirements(paths[0], environment):
+            other = canonicalize_name(requirement.name)
+            if other in versions and requirement.specifier and not requirement.specifier.contains(versions[other], prereleases=True):
+                problems.append(f"{name} needs {requirement}, the wheelhouse has {other} {versions[other]}")
+    if problems:
+        raise SystemExit("inconsistent wheelhouse: " + "; ".join(problems))
+    return {n: paths[0] for n, paths in have.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dest", default="wheelhouse", type=Path)
+    parser.add_argument("--python-version", default="3.12", help="of the GPU image's interpreter (default 3.12)")
+    args = parser.parse_args(argv)
+    if not re.fullmatch(r"3\.\d+", args.python_version):
+        parser.error("--python-version is MAJOR.MINOR, e.g. 3.12")
+    wheels = build(args.dest, args.python_version)
+    total = 0
+    for name in sorted(wheels):
+        size = wheels[name].stat().st_size
+        total += size
+        print(f"{size / 2**20:8.2f} MiB  {wheels[name].name}")
+    print(f"{len(wheels)} wheels, {total / 2**20:.1f} MiB in {args.dest}/ (left to the image: {', '.join(sorted(IMAGE_PROVIDES))})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,246 @@
+"""The GPU acceptance run (bench/gpu_acceptance.py): its whole harness on the CPU, and its parts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from autotune.params import TrialParams
+from autotune.records import DeviceInfo, ProbeResult
+from autotune.search.replay import load_table
+from bench import gpu_acceptance, gpu_phases
+
+REPO = Path(__file__).resolve().parent.parent
+ALLOWED = {"ok", "flagged", "skipped", "timeout"}  # "error" is a bug in the harness
+
+
+def _run(out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "bench.gpu_acceptance", "--device", "cpu", "--quick", "--out", str(out), *extra]
+    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=540)
+
+
+def _record(out: Path, phase: str) -> dict:
+    return json.loads((out / f"{phase}.json").read_text(encoding="utf-8"))
+
+
+@pytest.mark.slow
+def test_quick_cpu_run_writes_every_phase_and_a_phase_reruns_alone(tmp_path: Path) -> None:
+    out = tmp_path / "acceptance"
+    done = _run(out)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    summary = (out / "summary.md").read_text(encoding="utf-8")
+    assert "CPU" in summary and "torch" in summary and "transformers" in summary
+    for number, phase in enumerate(gpu_acceptance.PHASES, 1):
+        record = _record(out, phase)
+        assert record["status"] in ALLOWED, (phase, record["status"], record["reason"])
+        assert record["reason"], phase
+        assert f"## {number}. {phase}" in summary
+
+    tests = _record(out, "tests")
+    assert tests["status"] == "skipped" and "no GPU test ran on the CPU" in tests["reason"]
+    assert tests["data"]["passed"] == tests["data"]["failed"] == 0
+
+    run = _record(out, "run")
+    if run["status"] == "ok":  # the study and its report sit in the output folder
+        assert (out / run["data"]["database"]).is_file() and (out / run["data"]["report"]).is_file()
+
+    landscape = _record(out, "landscape")
+    if landscape["data"]["table"]:
+        table = load_table(out / landscape["data"]["table"])
+        assert len(table) == landscape["data"]["table_rows"] > 0
+        table.check_space(table.space())
+        failed = {k: v for k, v in landscape["data"]["statuses"].items() if k in ("oom", "crash")}
+        for status, count in failed.items():  # OOM and crash rows are kept in the table
+            assert (table.frame["status"] == status).sum() == count
+
+    # One phase again: only its JSON is rewritten, the other phases' files stay as they were.
+    others = {p: (out / f"{p}.json").read_bytes() for p in gpu_acceptance.PHASES if p != "tests"}
+    before = tests["started_at"], (out / "tests.json").stat().st_mtime_ns
+    again = _run(out, "--phase", "tests")
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "=== repeatability" not in again.stdout
+    assert (out / "tests.json").stat().st_mtime_ns != before[1]
+    assert {p: (out / f"{p}.json").read_bytes() for p in others} == others
+    assert "## 7. landscape" in (out / "summary.md").read_text(encoding="utf-8")
+
+
+def test_unknown_phase_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        gpu_acceptance.parse_args(["--phase", "tests,landscpe"])
+    assert exc.value.code == 2
+    assert "landscpe" in capsys.readouterr().err
+    assert gpu_acceptance.parse_args(["--phase", "landscape,tests"]).phases == ["tests", "landscape"]
+    assert tuple(gpu_phases.PHASE_FUNCTIONS) == gpu_acceptance.PHASES  # one function per phase, in the run's order
+
+
+def test_device_slug_names_the_card() -> None:
+    gpu = DeviceInfo(kind="cuda", name="NVIDIA H100 80GB HBM3", total_memory_bytes=80 * 2**30)
+    assert gpu_acceptance.device_slug(gpu) == "nvidia-h100-80gb-hbm3"
+    assert gpu_acceptance.device_slug(DeviceInfo(kind="cpu", name="CPU: AMD EPYC (2 cores)", total_memory_bytes=1)) == "cpu"
+
+
+def _wheel(folder: Path, name: str) -> Path:
+    """A minimal pure-Python wheel holding one module, ``name``."""
+    path = folder / f"{name}-0.1-py3-none-any.whl"
+    info = f"{name}-0.1.dist-info"
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr(f"{name}/__init__.py", "VALUE = 42\n")
+        archive.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n")
+        archive.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        archive.writestr(f"{info}/RECORD", "")
+    return path
+
+
+def test_missing_module_is_installed_from_the_wheelhouse_without_network(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("PYTHONPATH", "")
+    wheelhouse = tmp_path / "wheelhouse"
+    wheelhouse.mkdir()
+    _wheel(wheelhouse, "autotune_acceptance_dep")
+    target = tmp_path / "site"
+    report = gpu_acceptance.ensure_dependencies(
+        {"autotune_acceptance_dep": "autotune_acceptance_dep", "json": "json"}, wheelhouse=wheelhouse, target=target, use_environment=False,
+    )
+    assert report["missing"] == ["autotune_acceptance_dep"] and report["into"] == str(target)
+    import autotune_acceptance_dep
+
+    assert autotune_acceptance_dep.VALUE == 42
+    assert str(target) in sys.path and str(target) in __import__("os").environ["PYTHONPATH"]
+    # Everything present: nothing to do, even without a wheelhouse.
+    assert gpu_acceptance.ensure_dependencies({"json": "json"}, wheelhouse=tmp_path / "none")["installed"] == []
+
+
+def test_missing_module_without_a_wheelhouse_says_how_to_get_one(tmp_path: Path) -> None:
+    with pytest.raises(gpu_acceptance.SetupError, match="make wheelhouse"):
+        gpu_acceptance.ensure_dependencies({"autotune_no_such_module": "nope"}, wheelhouse=tmp_path / "empty", target=tmp_path / "site")
+
+
+def test_landscape_grid_is_a_full_factorial_uncompiled_first() -> None:
+    grid = gpu_phases.FULL.land_grid
+    configs = gpu_phases.landscape_grid(grid)
+    assert len(configs) == len({c.key() for c in configs}) == 256 >= 200
+    assert all(len(values) >= 2 for values in grid.values())  # every dimension varies
+    first_compiled = next(i for i, c in enumerate(configs) if c.torch_compile != "off")
+    assert first_compiled == 128 and all(c.torch_compile != "off" for c in configs[first_compiled:])
+    done = {c.key() for c in configs[:first_compiled + 5]}
+    assert gpu_phases.complete_subgrid(grid, done) == {**grid, "torch_compile": ("off",)}
+    assert gpu_phases.complete_subgrid(grid, {c.key() for c in configs}) == grid
+    assert gpu_phases.complete_subgrid(grid, set()) is None
+
+
+class _MemoryBound:
+    """Any configuration above ``limit`` samples runs out of memory."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.batches = limit, []
+
+    def evaluate(self, params: TrialParams, *, timeout_s: float) -> ProbeResult:
+        batch = params.per_device_train_batch_size
+        self.batches.append(batch)
+        if batch > self.limit:
+            return ProbeResult(status="oom", error="OutOfMemoryError", wall_s=1.0)
+        return ProbeResult(status="ok", samples_per_s=float(batch), peak_mem_bytes=batch, wall_s=1.0, measured_steps=1)
+
+
+def _context(tmp_path: Path) -> gpu_phases.Context:
+    device = DeviceInfo(kind="cuda", name="Fake", total_memory_bytes=80 * 2**30, compute_capability=(9, 0))
+    return gpu_phases.Context(name="side_by_side", out=tmp_path, device=device, plan=gpu_phases.FULL, box_s=600, slug="fake")
+
+
+def test_largest_batch_doubles_until_oom_then_bisects(tmp_path: Path) -> None:
+    fake = _MemoryBound(limit=37)
+    largest, spent, probes = gpu_phases._largest_batch(_context(tmp_path), fake, TrialParams(), ceiling=10**9)  # type: ignore[arg-type]
+    assert largest == 37
+    assert fake.batches[:6] == [2, 4, 8, 16, 32, 64]
+    assert probes == len(fake.batches) and spent == float(probes)
+    assert 37 in fake.batches and 38 in fake.batches  # the boundary itself was measured on both sides
+
+
+def test_largest_batch_counts_over_the_ceiling_as_not_fitting(tmp_path: Path) -> None:
+    fake = _MemoryBound(limit=10**6)  # never runs out of memory; the ceiling (peak = batch bytes) decides
+    largest, _, _ = gpu_phases._largest_batch(_context(tmp_path), fake, TrialParams(), ceiling=20)  # type: ignore[arg-type]
+    assert largest == 20
+
+
+def test_landscape_ceiling_puts_the_largest_batch_on_both_sides(tmp_path: Path) -> None:
+    from autotune.models import resolve_model
+    from autotune.search.memory import MemoryModel, ModelDims
+
+    ctx = _context(tmp_path)
+    model = resolve_model(ctx.plan.land_model)
+    ceiling = gpu_phases._landscape_ceiling(ctx, model)
+    assert ceiling is not None and ceiling % (2**30 // 2) == 0
+    memory = MemoryModel(ModelDims.from_spec(model), ctx.plan.land_seq_len)
+    largest = [c for c in gpu_phases.landscape_grid(ctx.plan.land_grid) if c.per_device_train_batch_size == 64]
+    over = sum(memory.predict(c) > ceiling for c in largest)
+    assert 0 < over < len(largest)  # OOM rows and fitting rows at the largest batch
+
+
+def _timed_context(tmp_path: Path, box_s: float, grace_s: float) -> gpu_phases.Context:
+    from dataclasses import replace
+
+    device = DeviceInfo(kind="cpu", name="CPU: test", total_memory_bytes=2**34)
+    plan = replace(gpu_phases.QUICK, grace_s=grace_s)
+    return gpu_phases.Context(name="tests", out=tmp_path, device=device, plan=plan, box_s=box_s, slug="cpu")
+
+
+def test_a_phase_past_its_box_is_stopped_and_keeps_what_it_measured(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    def endless(ctx: gpu_phases.Context) -> gpu_phases.PhaseOutput:
+        ctx.partial["rows"] = [{"measured": 1}]
+        time.sleep(30)
+        raise AssertionError("not stopped")
+
+    monkeypatch.setitem(gpu_phases.PHASE_FUNCTIONS, "tests", endless)
+    record = gpu_acceptance.run_phase("tests", _timed_context(tmp_path, box_s=0.2, grace_s=0.2))
+    assert record["status"] == "timeout" and "interrupted" in record["reason"]
+    assert record["data"]["rows"] == [{"measured": 1}] and record["wall_s"] < 5
+    assert json.loads((tmp_path / "tests.json").read_text())["status"] == "timeout"
+
+
+def test_a_broken_phase_is_recorded_and_the_run_goes_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(ctx: gpu_phases.Context) -> gpu_phases.PhaseOutput:
+        raise ValueError("a bug")
+
+    monkeypatch.setitem(gpu_phases.PHASE_FUNCTIONS, "tests", broken)
+    record = gpu_acceptance.run_phase("tests", _timed_context(tmp_path, box_s=10, grace_s=1))
+    assert record["status"] == "error" and "ValueError: a bug" in record["reason"]
+    assert "a bug" in record["data"]["traceback"] and (tmp_path / "tests.json").is_file()
+
+
+def test_landscape_cut_short_writes_the_complete_half_and_goes_on_later(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dataclasses import replace
+
+    grid = {**gpu_phases.QUICK.land_grid, "torch_compile": ("off", "inductor")}
+    ctx = _timed_context(tmp_path, box_s=60, grace_s=5)
+    ctx.plan = replace(ctx.plan, land_grid=grid)
+    probed: list[TrialParams] = []
+
+    def fake_probe(self: gpu_phases.Context, evaluator: object, params: TrialParams, *, reserve_s: float = 0.0) -> ProbeResult | None:
+        if params.torch_compile != "off" and not allow_compiled:
+            return None  # the box ran out before the compiled half
+        probed.append(params)
+        if params.per_device_train_batch_size == 8 and params.gradient_checkpointing:
+            return ProbeResult(status="oom", error="OutOfMemoryError", wall_s=1.0)
+        return ProbeResult(status="ok", samples_per_s=float(params.per_device_train_batch_size), peak_mem_bytes=2**30, wall_s=1.0, measured_steps=2)
+
+    monkeypatch.setattr(gpu_phases.Context, "probe", fake_probe)
+    allow_compiled = False
+    first = gpu_phases.phase_landscape(ctx)
+    assert first.data["status"] == "timeout" and first.data["probed"] == 4 and first.data["table_rows"] == 4
+    table = load_table(tmp_path / first.data["table"])
+    assert set(table.frame["torch_compile"]) == {"off"} and (table.frame["status"] == "oom").sum() == 1
+    assert first.data["bench_search"]["status"] == "ok"
+
+    allow_compiled = True  # run again: only the compiled half is probed, the whole grid is written
+    probed.clear()
+    again = gpu_phases.phase_landscape(ctx)
+    assert again.data["status"] == "ok" and again.data["resumed"] == 4 and again.data["table_rows"] == 8
+    assert {p.torch_compile for p in probed} == {"inductor"} and len(probed) == 4
