@@ -34,7 +34,7 @@ def _expected_files() -> set[str]:
     package = ROOT / "autotune"
     expected = {p.relative_to(ROOT).as_posix() for p in package.rglob("*.py") if "__pycache__" not in p.parts}
     expected |= {p.relative_to(ROOT).as_posix() for p in (package / "model_configs").glob("*.json")}
-    expected |= {"autotune/report/assets/report.css", "autotune/report/assets/report.js"}
+    expected |= {f"autotune/report/assets/{p.name}" for p in (package / "report" / "assets").iterdir() if p.is_file()}
     expected |= {f"autotune/spaces/{p.name}" for p in (ROOT / "search_spaces").glob("*.yaml")}
     return expected
 
