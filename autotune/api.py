@@ -15,6 +15,7 @@ import json
 import os
 import shlex
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
 
 DEFAULT_MODEL = "tiny-gptneox"
 DEFAULT_SEQ_LEN = 512
+FINISH_RESERVE_S = 3.0  # of the budget (at most 10% of it), for loading the result and writing the report
 CEILING_SAFETY_FRACTION = 0.95  # leave 5% of the device below the ceiling for the user's real run
 # --isolation: how each probe's process starts -> autotune.probe.isolation's mode.
 ISOLATION_MODES: dict[str, IsolationMode] = {"fork": "forkserver", "cold": "cold"}
@@ -352,14 +354,25 @@ def execute(
     *,
     on_trial: Callable[[TrialRecord], None] | None = None,
     on_start: Callable[[int, TrialParams], None] | None = None,
+    started_s: float | None = None,
 ) -> SearchOutcome:
-    """Run the search loop for a planned, opened study, with the plan's strategy and a memory model of its model."""
+    """Run the search loop for a planned, opened study, with the plan's strategy and a memory model of its model.
+
+    ``started_s`` (``time.monotonic()``): when the run began, so its set-up counts against the budget,
+    and the search leaves :data:`FINISH_RESERVE_S` of it for loading the result and writing the report.
+    """
     from autotune.search.memory import MemoryModel, ModelDims
 
     memory = MemoryModel(ModelDims.from_spec(plan.model), plan.seq_len)
+    settings = plan.settings
+    if settings.budget_s:
+        settings = dataclasses.replace(settings, budget_s=settings.budget_s - min(FINISH_RESERVE_S, 0.1 * settings.budget_s))
+    prepare = getattr(evaluator, "prepare", None)
+    if prepare is not None:
+        prepare()  # the probe server's start, inside the budget rather than after it
     outcome = run_search(
-        study, plan.space, evaluator, plan.settings, baseline=plan.baseline, on_trial=on_trial, on_start=on_start,
-        strategy=make_strategy(plan.strategy), memory=memory,
+        study, plan.space, evaluator, settings, baseline=plan.baseline, on_trial=on_trial, on_start=on_start,
+        strategy=make_strategy(plan.strategy), memory=memory, started_s=started_s,
     )
     studies.record_stop(study, outcome.stopped_because)
     return outcome
@@ -407,12 +420,13 @@ def run_plan(
     :attr:`SearchOutcome.stopped_because` is ``"interrupted"``); Ctrl-C outside a probe writes the
     report of what was measured and re-raises.
     """
+    started_s = time.monotonic()  # the budget is the whole run's wall time: set-up included
     study = open_study(plan, command)
     if on_open:
         on_open(plan, finished_trials(study))
     report_path = Path(report_dir) / f"{plan.study_name}.html" if report_dir is not None else None
     try:
-        outcome = execute(plan, study, evaluator or plan_evaluator(plan), on_trial=on_trial, on_start=on_start)
+        outcome = execute(plan, study, evaluator or plan_evaluator(plan), on_trial=on_trial, on_start=on_start, started_s=started_s)
     except KeyboardInterrupt:
         if report_path is not None:
             _write_report(load_result(plan.study_name, plan.storage, stopped_because="interrupted"), report_path)

@@ -205,6 +205,11 @@ def print_summary(console: Console, result: TuneResult, *, dropped: tuple[Any, .
     console.print(f"Trials: {counts}. Memory ceiling: {format_bytes(result.memory_ceiling_bytes)}.")
     if result.stopped_because:
         console.print(f"Stopped: {result.stopped_because}.")
+    unstable = int(result.ranked()["unstable"].astype(bool).sum()) if not result.ranked().empty else 0
+    if unstable:
+        console.print(f"[yellow]{unstable} configuration{'s' if unstable != 1 else ''} unstable: {'their' if unstable != 1 else 'its'} "
+                      "probes disagree beyond the noise band and were measured a third time (see the report's flags).[/]",
+                      highlight=False)
     busy = result.busy_probes()
     if busy:
         console.print(f"[yellow]{busy} of {len(result.trials)} probes ran while something else used the device: "
@@ -236,6 +241,9 @@ def measurement_warnings(row: Any) -> list[str]:
             f"input-bound: waiting for batches {100 * float(row['input_wait_fraction']):.0f}% of the time "
             "(more dataloader_num_workers may help)"
         )
+    if _get(row, "unstable"):
+        warnings.append(f"unstable: its probes disagree by {100 * float(row['spread_rel']):.0f}% (measured "
+                        f"{int(row['n_measurements'])} times; the machine, not the configuration, moved)")
     if _get(row, "interference"):
         warnings.append(f"measured on a busy machine ({row['interference']}): the figure may be noise")
     stable = _get(row, "stable")

@@ -168,7 +168,7 @@ def _frame_probes(trials: pd.DataFrame) -> list[Probe]:
 
 # A configuration that does not fit takes the outcome of its worst probe, in this order.
 _WORST_FIRST = (ProbeStatus.OOM, ProbeStatus.CRASH, ProbeStatus.DIVERGED, ProbeStatus.OK, ProbeStatus.TIMEOUT)
-CONFIG_COLUMNS = ("probe_trials", "n_probes", "n_measurements", "samples_per_s_min", "samples_per_s_max", "spread_rel", "fits", "rank")
+CONFIG_COLUMNS = ("probe_trials", "n_probes", "n_measurements", "samples_per_s_min", "samples_per_s_max", "spread_rel", "unstable", "fits", "rank")
 
 
 def configurations_frame(trials: pd.DataFrame, memory_ceiling_bytes: int | None) -> pd.DataFrame:
@@ -190,6 +190,7 @@ def configurations_frame(trials: pd.DataFrame, memory_ceiling_bytes: int | None)
         return pd.DataFrame(columns=columns)
     ranked = rank_configurations(_frame_probes(frame), memory_ceiling_bytes)
     rank_of = {c.params.key(): i + 1 for i, c in enumerate(ranked)}
+    unstable = {c.params.key() for c in ranked if c.unstable}
     groups: dict[tuple[Any, ...], list[int]] = {}
     for position, record in enumerate(frame[list(PARAM_NAMES)].to_dict("records")):
         try:
@@ -220,6 +221,7 @@ def configurations_frame(trials: pd.DataFrame, memory_ceiling_bytes: int | None)
         row["n_probes"] = len(ran)
         row["n_measurements"] = len(ok)
         row["rank"] = rank_of.get(key)
+        row["unstable"] = key in unstable  # its probes disagree beyond the noise band (ranking.Configuration.unstable)
         row["fits"] = row["rank"] is not None
         row["feasible"] = row["fits"]
         row["is_baseline"] = bool(group["is_baseline"].any())

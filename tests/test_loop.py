@@ -233,8 +233,8 @@ def _first_trial(study: optuna.Study, batch: int) -> int:
 
 
 def test_near_tie_is_remeasured_and_the_best_is_decided_by_the_mean(fake_gpu) -> None:
-    # 64 measures 1% below 32 at first; measured again, 32 drops to 96 and 64 rises to 101.
-    fake = NoisyEvaluator({8: [50.0], 16: [80.0], 32: [100.0, 96.0], 64: [99.0, 101.0]})
+    # 64 measures 1% below 32 at first; measured again, 32 drops to 98.5 and 64 rises to 101.
+    fake = NoisyEvaluator({8: [50.0], 16: [80.0], 32: [100.0, 98.5], 64: [99.0, 101.0]})
     study, outcome = _search(fake_gpu, fake)
     assert outcome.stopped_because == "exhausted"
     assert fake.calls[4:] == [32, 64]  # the best first, each once; 8 and 16 are far behind
@@ -247,11 +247,24 @@ def test_near_tie_is_remeasured_and_the_best_is_decided_by_the_mean(fake_gpu) ->
     result = TuneResult("t", "memory", trials_frame(study, 40 * GiB), settings={"memory_ceiling_bytes": 40 * GiB})
     ranked = result.ranked()
     assert list(ranked["per_device_train_batch_size"]) == [64, 32, 16, 8]  # one row per configuration
-    assert list(ranked["samples_per_s"]) == [100.0, 98.0, 80.0, 50.0]
+    assert list(ranked["samples_per_s"]) == [100.0, 99.25, 80.0, 50.0]
     assert list(ranked["n_measurements"]) == [2, 2, 1, 1]
     assert result.best_params["per_device_train_batch_size"] == 64  # by a single probe it would be 32
     assert int(result.best["trial"]) == _first_trial(study, 64)
     assert len(result.trials) == 6  # trials: one row per probe
+
+
+def test_a_configuration_whose_probes_disagree_is_unstable_and_measured_a_third_time(fake_gpu) -> None:
+    # 32's two probes are 4% apart, twice the noise band: a third probe decides, once; 64's agree.
+    fake = NoisyEvaluator({8: [50.0], 16: [80.0], 32: [100.0, 96.0, 97.0], 64: [99.0, 99.5]})
+    study, outcome = _search(fake_gpu, fake)
+    assert fake.calls[4:] == [32, 64, 32]
+    assert outcome.remeasures == 3
+    ranked = ranked_configurations(study, 40 * GiB)
+    by_batch = {c.params.per_device_train_batch_size: c for c in ranked}
+    assert by_batch[32].n_measurements == 3 and by_batch[32].unstable  # flagged: its probes disagree
+    assert not by_batch[64].unstable and by_batch[64].n_measurements == 2
+    assert ranked[0].params.per_device_train_batch_size == 64  # 99.25 against 32's mean of 97.67
 
 
 @pytest.mark.parametrize(("ci95_rel", "remeasured"), [(None, False), (0.005, False), (0.02, True)])
@@ -351,3 +364,21 @@ def test_speedup_compares_means_when_the_baseline_is_re_measured(fake_gpu) -> No
     assert result.best_params["per_device_train_batch_size"] == 16
     assert result.baseline_samples_per_s == pytest.approx(95.0)
     assert result.speedup == pytest.approx(99.0 / 95.0)  # > 1, though 16's probes were slower than the baseline's first
+
+
+def test_an_unstable_configuration_is_flagged_in_the_terminal_and_the_report(fake_gpu) -> None:
+    from rich.console import Console
+
+    from autotune.console import print_summary
+    from autotune.report.model import build_report_model
+
+    fake = NoisyEvaluator({8: [50.0], 16: [80.0], 32: [100.0, 96.0, 97.0], 64: [99.0, 99.5]})
+    study, _ = _search(fake_gpu, fake)
+    result = TuneResult("t", "memory", trials_frame(study, 40 * GiB), settings={"memory_ceiling_bytes": 40 * GiB})
+    assert list(result.ranked()["unstable"]) == [False, True, False, False]
+    console = Console(width=200, record=True)
+    print_summary(console, result)
+    assert "1 configuration unstable: its probes disagree beyond the noise band" in console.export_text()
+    model = build_report_model(result)
+    flags = [cell.text for row in model.rows for column, cell in zip(model.columns, row.cells) if column.key == "flags"]
+    assert sum("unstable (probes 4% apart)" in f for f in flags) == 1

@@ -12,7 +12,7 @@ from typing import Any
 
 from autotune.params import TrialParams
 from autotune.probe.interference import interference
-from autotune.probe.isolation import DEFAULT_MODE, IsolationMode, run_isolated
+from autotune.probe.isolation import DEFAULT_MODE, IsolationMode, run_isolated, start_server
 from autotune.records import ProbeResult, ProbeSpec
 
 # torch.compile compiles on the first step and may recompile on the second (optimizer, grad
@@ -53,6 +53,11 @@ class ProbeEvaluator:
             seed=self.seed,
             dataset=self.dataset,
         )
+
+    def prepare(self) -> None:
+        """Start the probe server now (once per process), so the run's budget, not its first probe, pays for it."""
+        if self.mode == "forkserver":
+            start_server()
 
     def evaluate(self, params: TrialParams, *, timeout_s: float) -> ProbeResult:
         busy = interference(self.device_uuid, cuda=self.device.startswith("cuda"))  # before: our probe is not running yet

@@ -338,6 +338,8 @@ def _table(
                     words[words.index("numerics drift")] = f"numerics drift ({float(row['loss_drift']):.2g})"
                 if row.get("is_baseline"):
                     words.insert(0, "baseline")
+                if bool(row.get("unstable")):
+                    words.append(f"unstable (probes {100 * float(row['spread_rel']):.0f}% apart)")
                 if isinstance(row.get("interference"), str) and row["interference"]:
                     words.append(f"busy machine ({row['interference']})")
                 cells.append(Cell(", ".join(words), ", ".join(words) or None))

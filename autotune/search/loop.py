@@ -39,7 +39,7 @@ from __future__ import annotations
 import random
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -132,9 +132,22 @@ def ranked_configurations(study: optuna.Study, ceiling_bytes: int) -> list[Confi
     return rank_configurations(studies.stored_probes(study), ceiling_bytes)
 
 
+def _remeasure_queue(study: optuna.Study, ceiling_bytes: int, tried: set[tuple[int, int]]) -> Iterator[Configuration]:
+    """The near-ties as they stand when the search ends, then, read afresh, those that their second
+    probe made unstable (a third probe decides); each (configuration, probe count) once."""
+    for _ in range(2):
+        pending = [c for c in _to_remeasure(study, ceiling_bytes) if (c.number, c.n_measurements) not in tried]
+        for contender in pending:
+            tried.add((contender.number, contender.n_measurements))
+            yield contender
+
+
 def _to_remeasure(study: optuna.Study, ceiling_bytes: int) -> list[Configuration]:
-    """The near-ties measured only once (a resumed run does not probe them a third time)."""
-    return [c for c in near_ties(ranked_configurations(study, ceiling_bytes)) if c.n_measurements == 1]
+    """The near-ties measured only once, and those whose two probes disagree (unstable: a third probe
+    decides); a resumed run probes none of them beyond that."""
+    ranked = ranked_configurations(study, ceiling_bytes)
+    contenders = near_ties(ranked) or [c for c in ranked[:1] if c.unstable]
+    return [c for c in contenders if c.n_measurements == 1 or (c.n_measurements == 2 and c.unstable)]
 
 
 def _random_unmeasured(space: SearchSpace, seen: dict[tuple[Any, ...], Any], rng: random.Random) -> TrialParams | None:
@@ -172,7 +185,8 @@ def remeasure_near_ties(
     on_start: Callable[[int, TrialParams], None] | None = None,
     on_trial: Callable[[TrialRecord], None] | None = None,
 ) -> int:
-    """Probe each near-tie measured once a second time, as a new trial with ``remeasure_of``.
+    """Probe each near-tie measured once a second time, as a new trial with ``remeasure_of``; then
+    those whose two probes disagree beyond the noise band (unstable) a third time.
 
     A contender whose probe would not finish in the time left is skipped, and no probe's deadline
     passes the budget's. Ctrl-C fails the trial in flight (as in :func:`run_search`) and re-raises.
@@ -181,7 +195,8 @@ def remeasure_near_ties(
         How many probes ran.
     """
     done = 0
-    for contender in _to_remeasure(study, settings.memory_ceiling_bytes):
+    tried: set[tuple[int, int]] = set()  # (configuration, its probes so far): each gets one more probe at most per pass
+    for contender in _remeasure_queue(study, settings.memory_ceiling_bytes, tried):
         remaining_s = deadline_s - clock.now() if deadline_s is not None else settings.trial_timeout_s
         if remaining_s < max(settings.min_probe_s, contender.wall_s or typical_s):
             continue
@@ -228,6 +243,7 @@ def run_search(
     on_start: Callable[[int, TrialParams], None] | None = None,
     strategy: Strategy | None = None,
     memory: MemoryModel | None = None,
+    started_s: float | None = None,
 ) -> SearchOutcome:
     """Run the ask/evaluate/tell loop until the budget, the trial count or the space runs out.
 
@@ -244,12 +260,14 @@ def run_search(
             the study's own sampler and prunes nothing.
         memory: the memory model (with model dimensions for an analytic prior); default: one that
             learns from the measurements only.
+        started_s: when the budget started, on ``clock`` (default: now): a run charges its set-up
+            (opening the study, starting the probe server) to the budget too.
 
     Returns:
         Why it stopped, and what it ran.
     """
     clock = clock or WallClock()
-    start_s = clock.now()
+    start_s = clock.now() if started_s is None else started_s
     deadline_s = start_s + settings.budget_s if settings.budget_s else None
     rng = random.Random(settings.seed)
     studies.fail_orphaned_trials(study)

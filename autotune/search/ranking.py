@@ -11,7 +11,9 @@ results are per **configuration**, not per probe:
   broken by their first trial (the one found first ranks first).
 
 Near-ties (:func:`near_ties`) are the configurations within the noise of the best
-(:func:`noise_band`): the search measures each once more before it declares a best.
+(:func:`noise_band`): the search measures each once more before it declares a best. A
+configuration whose probes disagree by more than that band is :attr:`Configuration.unstable`
+(the machine moved, not the configuration): it is measured a third time, and flagged.
 """
 
 from __future__ import annotations
@@ -39,6 +41,12 @@ class Configuration:
     ci95_rel: float | None  # the largest step_time_ci95_rel of its probes
     wall_s: float | None  # its latest probe's wall time: what probing it again costs
     trials: tuple[int, ...]  # the numbers of its probes, oldest first
+    spread_rel: float = 0.0  # (fastest - slowest probe) / mean samples/s; 0 with one probe
+
+    @property
+    def unstable(self) -> bool:
+        """Its probes disagree by more than the noise band: the machine, not the configuration, moved."""
+        return self.n_measurements > 1 and self.spread_rel > noise_band(self.ci95_rel, self.ci95_rel)
 
 
 def rank_configurations(probes: Iterable[Probe], ceiling_bytes: int | None) -> list[Configuration]:
@@ -54,14 +62,17 @@ def rank_configurations(probes: Iterable[Probe], ceiling_bytes: int | None) -> l
         if not all(r.fits(ceiling_bytes) and r.samples_per_s is not None for r in results):
             continue
         cis = [r.step_time_ci95_rel for r in results if r.step_time_ci95_rel is not None]
+        speeds = [r.samples_per_s or 0.0 for r in results]
+        mean = statistics.fmean(speeds)
         configurations.append(Configuration(
             number=group[0].number,
             params=group[0].params,
-            mean_samples_per_s=statistics.fmean(r.samples_per_s or 0.0 for r in results),
+            mean_samples_per_s=mean,
             n_measurements=len(results),
             ci95_rel=max(cis) if cis else None,
             wall_s=results[-1].wall_s,
             trials=tuple(p.number for p in group),
+            spread_rel=(max(speeds) - min(speeds)) / mean if mean > 0 else 0.0,
         ))
     return sorted(configurations, key=lambda c: (-c.mean_samples_per_s, c.number))
 
