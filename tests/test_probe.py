@@ -95,9 +95,15 @@ def test_simulated_ceiling_makes_an_oom() -> None:
 
 def test_deadline_kills_a_probe_as_timeout() -> None:
     # A warm probe of this tiny model can finish within 0.5 s: slow its input so it cannot.
+    import glob
+    import tempfile
+
+    scratch = f"{tempfile.gettempdir()}/autotune-probe*"
+    before = set(glob.glob(scratch))
     result = isolation.run_isolated(_spec(synthetic_sample_delay_s=0.5), timeout_s=0.5)
     assert result.status == "timeout"
     assert result.wall_s < 5
+    assert set(glob.glob(scratch)) == before  # the killed child's scratch folder went with it
 
 
 def test_fp32_probe_trains_with_ieee_fp32_matmuls() -> None:

@@ -27,6 +27,7 @@ NaN/inf loss is ``diverged``, any other exception is ``crash`` with its tracebac
 from __future__ import annotations
 
 import math
+import os
 import sys
 import tempfile
 import time
@@ -502,7 +503,8 @@ def run_probe(spec: ProbeSpec) -> ProbeResult:
         callback = _make_callback(spec, cuda)
         total_steps = spec.warmup_steps + callback.step_budget
         dataset = _make_dataset(spec, model_spec.vocab_size, total_steps * params.effective_batch_size)
-        with tempfile.TemporaryDirectory(prefix="autotune-probe-out-") as output_dir:
+        scratch = os.environ.get("AUTOTUNE_PROBE_SCRATCH")  # the parent's per-probe folder (isolation.SCRATCH_ENV)
+        with tempfile.TemporaryDirectory(prefix="autotune-probe-out-", dir=scratch if scratch and os.path.isdir(scratch) else None) as output_dir:
             args = probe_training_arguments(spec, output_dir, total_steps, cuda)
             trainer = _timed_trainer(callback)(model=model, args=args, train_dataset=dataset, callbacks=[callback])
             trainer.remove_callback(PrinterCallback)  # no printing per step inside the measured window

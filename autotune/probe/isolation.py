@@ -48,6 +48,7 @@ DEFAULT_MODE: IsolationMode = "forkserver"
 PRELOAD_MODULES = ["autotune.probe.preload"]
 
 _STDERR_TAIL_CHARS = 2000
+SCRATCH_ENV = "AUTOTUNE_PROBE_SCRATCH"  # the folder a probe child keeps its scratch files in
 _SELF_TEST_TIMEOUT_S = 120.0  # the self-test child only reads two flags (the server's imports finish before it forks)
 
 # The variables torchrun sets in each worker (torch.distributed.run documentation, "Environment
@@ -377,6 +378,9 @@ def run_isolated(
         folder = Path(tmp)
         spec_path, result_path, log_path = folder / "spec.json", folder / "result.json", folder / "output.txt"
         spec_path.write_text(child_spec.to_json(), encoding="utf-8")
+        # The child's scratch (the Trainer's output_dir) goes inside this folder, which is removed here
+        # even when the child is killed before it can remove its own.
+        env = {**env, SCRATCH_ENV: str(folder)}
         if mode == "forkserver" and not start_server():  # once per process; not charged to this trial
             mode = "cold"
         start_s = time.monotonic()
