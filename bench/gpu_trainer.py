@@ -16,7 +16,6 @@ Two requests, each in a process of its own (forked from autotune's probe server,
 from __future__ import annotations
 
 import json
-import os
 import sys
 import tempfile
 import time
@@ -120,15 +119,9 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
 
 def forked_main(request_path: str, result_path: str, log_path: str, env: dict[str, str]) -> None:
     """Entry point in a child forked from autotune's probe server: own session, output to a file."""
-    os.setsid()
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    # Exactly the probes' environment (the server's may be older): before CUDA starts, CUDA_VISIBLE_DEVICES pins the GPU.
-    for key in set(os.environ) - set(env):
-        del os.environ[key]
-    os.environ.update(env)
+    from autotune.probe.isolation import enter_probe_process
+
+    enter_probe_process(log_path, env)
     main([request_path, result_path])
 
 

@@ -119,14 +119,21 @@ def _set_environ(env: dict[str, str]) -> None:
     os.environ.update(env)
 
 
-def _forked_main(spec_path: str, result_path: str, log_path: str, env: dict[str, str]) -> None:
-    """The probe child forked from the server: own session, output to a file, run, write the result."""
+def enter_probe_process(log_path: str, env: dict[str, str]) -> None:
+    """First thing in a child forked from the probe server: its own session (so its whole group can be
+    killed), its output to ``log_path``, and exactly the probes' environment, before anything
+    initialises CUDA (``CUDA_VISIBLE_DEVICES`` pins the GPU)."""
     os.setsid()
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
-    _set_environ(env)  # before anything initialises CUDA: CUDA_VISIBLE_DEVICES pins the GPU
+    _set_environ(env)
+
+
+def _forked_main(spec_path: str, result_path: str, log_path: str, env: dict[str, str]) -> None:
+    """The probe child forked from the server: own session, output to a file, run, write the result."""
+    enter_probe_process(log_path, env)
     import torch
 
     if getattr(torch.cuda, "_is_in_bad_fork", lambda: False)():
