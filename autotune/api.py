@@ -78,8 +78,10 @@ class RunOptions:
             tokenised and packed in the DataLoader workers; None: synthetic tokens.
         text_column: the dataset's text column (not used for ``.txt``).
         tokenizer: a tokenizer directory or hub id for ``dataset`` (default: the model's).
-        strategy: how to search: ``frontier`` (memory model, batch frontier, compile last),
-            ``tpe`` (plain Optuna TPE) or ``random``.
+        strategy: how to search: ``bayes`` (the default: a throughput model learned from the probes,
+            expected improvement per probe second, crashes inferred, memory model), ``frontier`` (an
+            expert ordering: batch frontier, coordinate sweeps, compile last), ``tpe`` (plain Optuna
+            TPE) or ``random``.
         isolation: how each probe's fresh process starts: ``fork`` from a probe server that has
             imported torch and transformers once (checked CUDA-clean when it starts; probes start
             cold if it is not), or ``cold``, a new interpreter per probe (slower, nothing shared).

@@ -1,8 +1,16 @@
-"""Benchmark the search strategies on replay tables: how close to the true optimum, at what cost.
+"""Benchmark the search strategies on replay tables or on a family of landscapes: how close to the true optimum, at what cost.
 
     python -m bench.search                                   # the shipped synthetic tables, 20 seeds
     python -m bench.search TABLE.csv.gz:40GiB --seeds 5 --strategies frontier,tpe
     autotune bench-search ...                                 # the same
+    python -m bench.search --family design --draws 200 --budgets 10m,30m,60m   # the family (bench/family.py)
+    python -m bench.search --family heldout --draws 200 --budgets 10m,30m,60m  # only once the design is frozen
+
+Family mode runs one search per strategy, draw and budget (separate searches, seed = the draw's
+index in its range), two processes by default, and prints per strategy and budget the median, 5th
+percentile and worst ratio of the found configuration's noise-free samples/s to the landscape's
+noise-free optimum under its ceiling, the OOM probes launched, and the configurations returned
+over the ceiling; ``--details FILE.csv`` keeps one row per search.
 
 Every strategy runs over every seed on every table (TABLE[:CEILING], default ceiling 40GiB) with a
 virtual budget (default 30 minutes). Per table and strategy it prints the median and worst ratio of
@@ -14,15 +22,27 @@ ceiling. The last line is one JSON object with those figures.
 
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
-import sys
-from pathlib import Path
-from typing import Any
+import os
 
-from autotune.search.replay import load_table, replay_search
-from autotune.units import format_bytes, parse_bytes, parse_duration_s
+# One BLAS thread per process: the family runs one process per core, and OpenBLAS threads spinning
+# against each other there turned a 100 x 100 matrix inverse from 0.3 ms into 100 ms.
+for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+import argparse  # noqa: E402
+import csv  # noqa: E402
+import json  # noqa: E402
+import multiprocessing  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from autotune.search.replay import load_table, replay_search  # noqa: E402
+from autotune.units import format_bytes, parse_bytes, parse_duration_s  # noqa: E402
 
 DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
 DEFAULT_TABLES = (
@@ -30,7 +50,7 @@ DEFAULT_TABLES = (
     f"{DATA / 'landscape_pythia-160m-l4.csv.gz'}:16GiB",
     f"{DATA / 'landscape_llama-1b-a10g.csv.gz'}:22GiB",
 )
-STRATEGY_NAMES = ("frontier", "tpe", "random")
+STRATEGY_NAMES = ("bayes", "frontier", "tpe", "random")
 
 
 def bench(tables: list[str], strategies: list[str], seeds: int, budget_s: float) -> dict[str, Any]:
@@ -85,13 +105,135 @@ def print_table(summary: dict[str, Any], budget_s: float) -> None:
             )
 
 
+# ---------------------------------------------------------------------- the family
+
+
+def family_search(strategy: str, draw: int, budget_s: float, seed: int) -> dict[str, Any]:
+    """One search on one drawn landscape; the found configuration scored noise-free."""
+    import optuna
+
+    from autotune.search.loop import SearchSettings, ranked_configurations, run_search
+    from autotune.search.strategies.registry import make_strategy
+    from bench.family import FamilyEvaluator
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    landscape = _landscape(draw)
+    true_params, true_sps = landscape.true_best()
+    evaluator = FamilyEvaluator(landscape)
+    chosen = make_strategy(strategy)
+    study = optuna.create_study(direction="maximize", sampler=chosen.sampler(seed))
+    settings = SearchSettings(memory_ceiling_bytes=landscape.ceiling_bytes, budget_s=budget_s, seed=seed, min_probe_s=1.0)
+    started = time.process_time()
+    outcome = run_search(study, landscape.space, evaluator, settings, baseline=landscape.space.baseline(), clock=evaluator.clock, strategy=chosen)
+    cpu_s = time.process_time() - started
+    ranked = ranked_configurations(study, landscape.ceiling_bytes)
+    row: dict[str, Any] = {
+        "strategy": strategy, "draw": draw, "budget_s": budget_s, "seed": seed, "ratio": 0.0, "over_ceiling": 0,
+        "oom_probes": evaluator.oom_probes, "probes": outcome.probes_run, "pruned": outcome.pruned,
+        "virtual_s": evaluator.clock.now(), "cpu_s": round(cpu_s, 3), "found": "", "true_best": true_params.short(),
+    }
+    if ranked:
+        found = landscape.noise_free(ranked[0].params)
+        row["ratio"] = float(found.samples_per_s[0]) / true_sps
+        row["over_ceiling"] = int(found.peak_bytes[0] > landscape.ceiling_bytes or found.status[0] != 0)
+        row["found"] = ranked[0].params.short()
+    return row
+
+
+_LANDSCAPES: dict[int, Any] = {}
+
+
+def _landscape(draw: int) -> Any:
+    from bench.family import Landscape
+
+    if draw not in _LANDSCAPES:
+        _LANDSCAPES.clear()  # tasks come ordered by draw: one landscape (and its grid) at a time
+        _LANDSCAPES[draw] = Landscape(draw)
+    return _LANDSCAPES[draw]
+
+
+def _family_task(task: tuple[str, int, float, int]) -> dict[str, Any]:
+    return family_search(*task)
+
+
+def bench_family(family: str, draws: int, strategies: list[str], budgets_s: list[float], processes: int) -> list[dict[str, Any]]:
+    """Every strategy x budget on ``draws`` landscapes of the range ``family`` (``design`` or ``heldout``)."""
+    from bench.family import RANGES
+
+    start = RANGES[family]
+    tasks = [(strategy, start + i, budget_s, i) for i in range(draws) for strategy in strategies for budget_s in budgets_s]
+    if processes <= 1:
+        return [_family_task(t) for t in tasks]
+    with multiprocessing.get_context("fork").Pool(processes) as pool:
+        return list(pool.imap(_family_task, tasks, chunksize=max(1, len(strategies) * len(budgets_s))))
+
+
+def family_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """``{strategy: {budget: figures}}`` over the draws."""
+    summary: dict[str, dict[str, dict[str, Any]]] = {}
+    for strategy in dict.fromkeys(r["strategy"] for r in rows):
+        for budget_s in sorted({r["budget_s"] for r in rows}):
+            mine = [r for r in rows if r["strategy"] == strategy and r["budget_s"] == budget_s]
+            ratios = np.array([r["ratio"] for r in mine])
+            ooms = [r["oom_probes"] for r in mine]
+            summary.setdefault(strategy, {})[f"{budget_s / 60:g}m"] = {
+                "draws": len(mine),
+                "median_ratio": round(float(np.median(ratios)), 4),
+                "p5_ratio": round(float(np.percentile(ratios, 5)), 4),
+                "worst_ratio": round(float(ratios.min()), 4),
+                "below_095": int((ratios < 0.95).sum()),
+                "oom_probes_total": int(sum(ooms)),
+                "oom_probes_mean": round(statistics.fmean(ooms), 2),
+                "returned_over_ceiling": int(sum(r["over_ceiling"] for r in mine)),
+                "nothing_found": int(sum(not r["found"] for r in mine)),
+                "probes_mean": round(statistics.fmean(r["probes"] for r in mine), 1),
+                "cpu_s_per_search": round(statistics.fmean(r["cpu_s"] for r in mine), 3),
+            }
+    return summary
+
+
+def print_family(summary: dict[str, dict[str, dict[str, Any]]], family: str, draws: int) -> None:
+    print(f"family {family}: {draws} draws, one search per strategy, draw and budget")
+    header = (f"{'strategy':<9} {'budget':>6} {'median':>7} {'p5':>7} {'worst':>7} {'<0.95':>6} {'OOMs':>6} {'OOM/run':>8} "
+              f"{'over ceiling':>13} {'none found':>11} {'probes/run':>11} {'cpu s/run':>10}")
+    print(header)
+    print("-" * len(header))
+    for strategy, budgets in summary.items():
+        for budget, f in budgets.items():
+            print(
+                f"{strategy:<9} {budget:>6} {f['median_ratio']:>7.3f} {f['p5_ratio']:>7.3f} {f['worst_ratio']:>7.3f} {f['below_095']:>6} "
+                f"{f['oom_probes_total']:>6} {f['oom_probes_mean']:>8.2f} {f['returned_over_ceiling']:>13} {f['nothing_found']:>11} "
+                f"{f['probes_mean']:>11.1f} {f['cpu_s_per_search']:>10.3f}"
+            )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench-search", description=__doc__.splitlines()[0])
     parser.add_argument("tables", nargs="*", default=list(DEFAULT_TABLES), help="TABLE.csv[.gz][:CEILING] (default: the shipped synthetic tables)")
     parser.add_argument("--strategies", default=",".join(STRATEGY_NAMES), help="comma-separated (default: all)")
     parser.add_argument("--seeds", type=int, default=20)
     parser.add_argument("--budget", default="30m")
+    parser.add_argument("--family", choices=("design", "heldout"), default=None, help="run on a family of drawn landscapes instead of tables")
+    parser.add_argument("--draws", type=int, default=200, help="family mode: landscapes drawn from the range (default: 200)")
+    parser.add_argument("--budgets", default="10m,30m,60m", help="family mode: comma-separated budgets, one search each")
+    parser.add_argument("--processes", type=int, default=2, help="family mode: worker processes (default: 2)")
+    parser.add_argument("--details", default=None, help="family mode: write one CSV row per search here")
     args = parser.parse_args(argv)
+    if args.family:
+        started = time.monotonic()
+        budgets_s = [parse_duration_s(b) for b in args.budgets.split(",")]
+        rows = bench_family(args.family, args.draws, args.strategies.split(","), budgets_s, args.processes)
+        elapsed_s = time.monotonic() - started
+        if args.details:
+            with open(args.details, "w", newline="") as handle:
+                writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+                writer.writeheader()
+                writer.writerows(rows)
+        summary = family_summary(rows)
+        print_family(summary, args.family, args.draws)
+        print(f"runtime {elapsed_s:.0f} s with {args.processes} process(es)")
+        print(json.dumps({"family": args.family, "draws": args.draws, "runtime_s": round(elapsed_s), "strategies": summary}, sort_keys=True))
+        return 0
     budget_s = parse_duration_s(args.budget)
     summary = bench(args.tables, args.strategies.split(","), args.seeds, budget_s)
     print_table(summary, budget_s)

@@ -2,22 +2,27 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import optuna
 import pytest
 from optuna.trial import TrialState
 
 from autotune.errors import UsageError
 from autotune.params import TrialParams, baseline_params
-from autotune.records import ProbeResult
+from autotune.records import Probe, ProbeResult
 from autotune.results import trials_frame
-from autotune.search.loop import SearchSettings, run_search
+from autotune.search.loop import SearchSettings, VirtualClock, ranked_configurations, run_search
 from autotune.search.memory import MemoryModel
 from autotune.search.replay import ReplayEvaluator, load_table, replay_search
 from autotune.search.strategies.base import SearchState, Strategy
+from autotune.search.strategies.bayes import BayesStrategy
+from autotune.search.strategies.failures import CRASH, DIVERGENCE, FailureModel
 from autotune.search.strategies.frontier import FrontierStrategy
-from autotune.search.strategies.registry import STRATEGIES, make_strategy
+from autotune.search.strategies.registry import DEFAULT_STRATEGY, STRATEGIES, make_strategy
+from autotune.search.strategies.surrogate import Grid
 from autotune.space import parse_space
 from tests.conftest import FakeEvaluator, GiB
 
@@ -143,4 +148,156 @@ def test_tune_records_predictions_and_never_returns_a_config_over_the_ceiling(tm
     assert frame["predicted_peak_mem_bytes"].notna().all()  # the analytic prior predicts from the first trial
     assert result.best["peak_mem_bytes"] <= 20 * GiB
     assert result.best_params["per_device_train_batch_size"] == 32  # 1 GiB + 0.5 GiB x 32 = 17 GiB; 48 is 25 GiB
-    assert result.settings["strategy"] == "frontier"
+    assert result.settings["strategy"] == DEFAULT_STRATEGY
+
+
+# ---------------------------------------------------------------------------- bayes
+
+
+def _probe(number: int, status: str, **values) -> Probe:
+    ok = status == "ok"
+    return Probe(number, TrialParams(**values), ProbeResult(status=status, samples_per_s=1.0 if ok else None, peak_mem_bytes=GiB if ok else None))
+
+
+def _grid(space_data: dict | None = None) -> Grid:
+    return Grid(parse_space(space_data or {
+        "per_device_train_batch_size": [8, 16, 32], "precision": ["fp32", "fp16", "bf16"], "optim": ["adamw_torch_fused", "adafactor"],
+        "torch_compile": ["off", "inductor"], "attn_implementation": ["eager", "sdpa", "flash_attention_2"], "gradient_checkpointing": [False, True],
+    }))
+
+
+def _p_ok(model: FailureModel, grid: Grid, **values) -> float:
+    return float(np.broadcast_to(model.p_ok_grid(grid), grid.shape).reshape(-1)[grid.flat_index(TrialParams(**values))])
+
+
+def test_a_crash_is_evidence_about_its_value_elsewhere_confirmed_in_another_context() -> None:
+    grid = _grid()
+    history = [_probe(0, "ok"), _probe(1, "crash", precision="bf16")]
+    model = FailureModel.from_history(grid, history)
+    suspicion = model.cause_probability()[(("precision", "bf16"),)]
+    assert 0.3 < suspicion < 0.9  # inferred, not ruled out: it may be bf16 with one of the others
+    assert 0.0 < _p_ok(model, grid, precision="bf16", attn_implementation="eager", optim="adafactor") < 0.7
+    assert _p_ok(model, grid, precision="fp16") > 0.7  # the next value of the dimension: only its prior against it
+    assert model.certain_failure(TrialParams(precision="bf16", per_device_train_batch_size=32)) is not None  # same context
+    # A second crash in a context that shares nothing else with the first, and whose other values
+    # ran, confirms it.
+    other = {"attn_implementation": "eager", "optim": "adafactor", "torch_compile": "inductor", "gradient_checkpointing": True}
+    history += [_probe(2, "ok", **other), _probe(3, "crash", precision="bf16", **other)]
+    confirmed = FailureModel.from_history(grid, history)
+    assert confirmed.cause_probability()[(("precision", "bf16"),)] > max(0.75, suspicion + 0.2)
+    assert _p_ok(confirmed, grid, precision="bf16", attn_implementation="flash_attention_2") < 0.2
+
+
+def test_a_crash_of_values_that_ran_elsewhere_is_blamed_on_their_pair() -> None:
+    grid = _grid()
+    history = [_probe(0, "ok", precision="bf16"), _probe(1, "ok", torch_compile="inductor"),
+               _probe(2, "crash", precision="bf16", torch_compile="inductor")]
+    model = FailureModel.from_history(grid, history)
+    # bf16 and inductor each ran: only their pair is left to blame, so the compile mode is not
+    # retried with bf16 (whatever else changes), while it stays open elsewhere.
+    assert model.certain_failure(TrialParams(precision="bf16", torch_compile="inductor", attn_implementation="eager")) is not None
+    assert model.certain_failure(TrialParams(precision="fp16", torch_compile="inductor")) is None
+    assert _p_ok(model, grid, precision="fp16", torch_compile="inductor") > 0.5
+
+
+def test_an_out_of_memory_clears_crashes_but_not_divergence() -> None:
+    grid = _grid()
+    history = [_probe(0, "ok"), _probe(1, "oom", precision="fp16", per_device_train_batch_size=32)]
+    assert ("precision", "fp16") in FailureModel.from_history(grid, history, CRASH).cleared_values  # it got past start-up
+    assert ("precision", "fp16") not in FailureModel.from_history(grid, history, DIVERGENCE).cleared_values  # its loss was never seen
+
+
+def test_bayes_prunes_what_needs_no_less_memory_than_an_oom() -> None:
+    space = parse_space({"per_device_train_batch_size": [8, 16, 32, 64], "optim": ["adafactor", "adamw_torch"], "gradient_checkpointing": [False, True]})
+    oom = TrialParams(per_device_train_batch_size=32, optim="adafactor")
+    state = SearchState(space, 40 * GiB, MemoryModel(), [Probe(0, oom, ProbeResult(status="oom"))])
+    state.memory.observe(oom, ProbeResult(status="oom"))
+    strategy = BayesStrategy()
+    assert strategy.prune(oom.replace(per_device_train_batch_size=64), state) is not None
+    assert strategy.prune(oom.replace(optim="adamw_torch"), state) is not None  # more optimizer state, same batch
+    assert strategy.prune(oom.replace(per_device_train_batch_size=16), state) is None
+    assert strategy.prune(oom.replace(gradient_checkpointing=True), state) is None  # checkpointing needs less
+
+
+@dataclass
+class _LoaderBound:
+    """Compute runs 100 samples/s at any batch; the loader makes 15 samples/s per worker (0 workers:
+    loading is serial with compute). Reports the share of time spent waiting, like a probe."""
+
+    clock: VirtualClock = field(default_factory=VirtualClock)
+    calls: list[TrialParams] = field(default_factory=list)
+
+    def evaluate(self, params: TrialParams, *, timeout_s: float) -> ProbeResult:
+        self.calls.append(params)
+        self.clock.advance(30.0)
+        compute = 1 / 100.0
+        load = 1 / (15.0 * params.dataloader_num_workers) if params.dataloader_num_workers else 1 / 15.0
+        per_sample = max(compute, load) if params.dataloader_num_workers else compute + load
+        wait = (load - compute if params.dataloader_num_workers else load) / per_sample
+        return ProbeResult(status="ok", samples_per_s=1 / per_sample, peak_mem_bytes=GiB, wall_s=30.0,
+                           step_time_s=params.effective_batch_size * per_sample, input_wait_fraction=max(wait, 0.0), input_bound=wait > 0.2)
+
+
+def test_bayes_follows_an_input_bound_incumbent_to_loader_workers() -> None:
+    space = parse_space({"per_device_train_batch_size": [8, 16], "dataloader_num_workers": [0, 2, 4, 8], "precision": ["fp32", "bf16"]})
+    fake = _LoaderBound()
+    run_search(optuna.create_study(direction="maximize"), space, fake, SearchSettings(memory_ceiling_bytes=40 * GiB, n_trials=4),
+               baseline=baseline_params(), clock=fake.clock, strategy=BayesStrategy())
+    assert fake.calls[0].dataloader_num_workers == 0 and fake.calls[1].dataloader_num_workers > 0
+    assert max(p.dataloader_num_workers for p in fake.calls) == 8  # the loader, not compute, sets the pace
+
+
+@dataclass
+class _PeakedBatch:
+    """Everything fits; throughput rises with batch size up to 32 and falls past it."""
+
+    clock: VirtualClock = field(default_factory=VirtualClock)
+    calls: list[int] = field(default_factory=list)
+
+    def evaluate(self, params: TrialParams, *, timeout_s: float) -> ProbeResult:
+        batch = params.per_device_train_batch_size
+        self.calls.append(batch)
+        self.clock.advance(30.0)
+        sps = 100.0 * batch / (batch + 4) * min(1.0, (32 / batch) ** 0.3)
+        return ProbeResult(status="ok", samples_per_s=sps, peak_mem_bytes=GiB + batch * 2**24, wall_s=30.0, step_time_s=batch / sps)
+
+
+def test_bayes_measures_sizes_below_the_frontier_when_throughput_falls_past_a_middle_batch() -> None:
+    space = parse_space({"per_device_train_batch_size": {"multiple_of": 8, "max": 128}})
+    fake = _PeakedBatch()
+    study = optuna.create_study(direction="maximize")
+    run_search(study, space, fake, SearchSettings(memory_ceiling_bytes=40 * GiB, n_trials=8), baseline=baseline_params(),
+               clock=fake.clock, strategy=BayesStrategy())
+    assert ranked_configurations(study, 40 * GiB)[0].params.per_device_train_batch_size == 32
+
+
+def test_the_surrogate_predicts_the_whole_grid_as_its_features_say() -> None:
+    space = parse_space({"per_device_train_batch_size": [1, 8, 16, 64], "gradient_accumulation_steps": [1, 4], "precision": ["fp32", "bf16"],
+                         "torch_compile": ["off", "inductor", "inductor:max-autotune"], "dataloader_num_workers": [0, 4]})
+    strategy = BayesStrategy()
+    context = strategy._get_context(SearchState(space, 40 * GiB, MemoryModel()))
+    surrogate, grid = context.surrogate, context.grid
+    rng = np.random.default_rng(0)
+    points = [grid.params_at(int(i)) for i in rng.choice(grid.size, size=12, replace=False)]
+    rows = np.array([surrogate.features(p) for p in points])
+    surrogate.fit(rows[:8], rng.normal(3.0, 0.5, size=8), np.full(8, 0.01))
+    mean, sd = surrogate.predict_grid()
+    direct_mean, direct_sd = surrogate.predict_rows(rows)
+    for point, m, s in zip(points, direct_mean, direct_sd):
+        index = grid.flat_index(point)
+        assert mean.reshape(-1)[index] == pytest.approx(m, abs=1e-4)
+        assert sd.reshape(-1)[index] == pytest.approx(s, abs=1e-4)
+
+
+@pytest.mark.parametrize("table, ceiling", [
+    ("landscape_gptneox-1.3b-a100.csv.gz", 40), ("landscape_pythia-160m-l4.csv.gz", 16), ("landscape_llama-1b-a10g.csv.gz", 22),
+])
+def test_bayes_beats_plain_tpe_on_the_synthetic_landscapes(table, ceiling) -> None:
+    loaded = load_table(DATA / table)
+    true_best = loaded.best_under(ceiling * GiB)["samples_per_s"]
+    bayes = replay_search(loaded, budget_s=1800, memory_ceiling_bytes=ceiling * GiB, strategy="bayes", seed=0)
+    tpe = replay_search(loaded, budget_s=1800, memory_ceiling_bytes=ceiling * GiB, strategy="tpe", seed=0)
+    assert bayes.best_samples_per_s / true_best >= 0.9
+    assert bayes.best_peak_mem_bytes <= ceiling * GiB
+    assert bayes.oom_probes <= tpe.oom_probes
+    assert bayes.best_samples_per_s >= tpe.best_samples_per_s

@@ -27,7 +27,7 @@ from autotune.errors import ReplayTableError
 from autotune.params import PARAM_NAMES, TrialParams
 from autotune.records import ProbeResult, ProbeStatus
 from autotune.search.loop import SearchSettings, VirtualClock, ranked_configurations, run_search
-from autotune.search.strategies.registry import make_strategy
+from autotune.search.strategies.registry import DEFAULT_STRATEGY, make_strategy
 from autotune.space import SearchSpace
 
 MEASUREMENT_COLUMNS = ("status", "samples_per_s", "peak_mem_bytes", "probe_s")
@@ -242,7 +242,7 @@ def replay_search(
     budget_s: float,
     memory_ceiling_bytes: int,
     space: SearchSpace | None = None,
-    strategy: str = "frontier",
+    strategy: str = DEFAULT_STRATEGY,
     seed: int = 0,
     baseline: TrialParams | None = None,
 ) -> ReplayOutcome:

@@ -1,0 +1,754 @@
+"""Evidence over preference: a model of throughput learned from the probes picks each next probe.
+
+Every proposal scores the whole grid and runs the configuration with the highest expected
+improvement per expected probe second:
+
+    score(x) = P(runs | x) x P(fits | x) x EI(x) / E[probe seconds of x]
+
+* **EI** comes from :class:`~autotune.search.strategies.surrogate.Surrogate`: Bayesian linear
+  regression of log samples/s on per-value effects (values of one kind, such as the 16-bit
+  precisions or the compile modes, share an effect), a saturating batch curve with hinges (so a
+  peak at a middle batch size is learnt, and sizes below the frontier get measured when the curve
+  flattens), misalignment terms, and the optimizer step amortised over the samples per step. The
+  expert ordering (bf16 > fp16 > tf32 > fp32, flash > sdpa > eager, checkpointing slower) is only
+  its prior mean: it decides what is tried first, never what may be measured. Improvements count
+  beyond :data:`MIN_GAIN` (a probe's noise), and an uncompiled candidate is measured against the
+  best uncompiled configuration: compilation multiplies what it improves.
+* **Input**: a probe's ``input_wait_fraction`` splits its throughput into compute and waiting. The
+  model learns the compute part; the loader's rate (per worker, and in the training process with
+  0 workers) is estimated from the probes that waited and caps or slows the prediction for each
+  worker count, so an input-bound incumbent makes more workers the best bet.
+* **P(runs)**: :class:`~autotune.search.strategies.failures.FailureModel`, once for crashes and
+  once for divergences: a failure is evidence against its suspect values and pairs everywhere,
+  confirmed by a second failure in another context; a configuration holding every suspect of a
+  failure is never run (a compile mode that crashed is not retried in the same context).
+* **P(fits)**: the calibrated :class:`~autotune.search.memory.MemoryModel`'s prediction against
+  the ceiling, with an error that shrinks as the memory group gets measured; where a group alike
+  went over the ceiling against the prediction, the error is a truncated normal beyond that miss,
+  and where a group with no more memory went over at a smaller batch, a fit is unlikely. What
+  cannot fit is pruned without running (:meth:`BayesStrategy.prune`): what the memory model rules
+  out, and an OOM (or a peak over the ceiling) at batch b rules out every batch >= b in every group
+  that needs no less memory (more optimizer state, no checkpointing, eager attention).
+* **Probe seconds**: start-up, compilation per mode and the measured window, learnt from the
+  probes' own timings (priors until then); a failure is charged what failing costs. A probe that
+  cannot finish in the time left is not proposed, nor one that would eat the time kept for
+  polishing the best configurations (other compile modes, more accumulation:
+  :meth:`BayesStrategy._polish_reserve`), which rank late per second and pay off most.
+
+``P(fits)`` needs two memory-model predictions per memory group, the slowest part; the other
+factors bound the score from above, so groups are visited best bound first and the visit stops
+when no group left can beat the best score found (exact, and usually a few groups).
+
+While nothing has run (every probe so far ran out of memory or failed), the model has no memory
+scale: the most frugal memory settings (checkpointing, the optimizer with the least state, the
+smallest batch) come first, chosen for the chance they run.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import optuna
+
+from autotune.params import PARAM_NAMES, TrialParams
+from autotune.records import Probe, ProbeStatus
+from autotune.search.memory import GROUP_KEYS, PRUNE_MARGIN, UNCALIBRATED_PRUNE_MARGIN, optimizer_state_bytes
+from autotune.search.ranking import Configuration
+from autotune.search.strategies.base import SearchState, Strategy
+from autotune.search.strategies.baselines import tpe_sampler
+from autotune.search.strategies.failures import KINDS, FailureModel
+from autotune.search.strategies.surrogate import ACCUM, BATCH, BlockBuilder, Grid, Surrogate, expected_improvement, normal_cdf
+
+WORKERS = "dataloader_num_workers"
+WARMUP_STEPS = 3  # the probe's default warm-up (ProbeSpec.warmup_steps): compilation happens there
+STARTUP_PRIOR_S = 30.0
+COMPILE_PRIOR_S = {"default": 60.0, "max-autotune": 200.0}  # before a compiled probe was timed
+MAX_AUTOTUNE_COMPILE_FACTOR = 3.0  # max-autotune's compilation over the plain mode's, until timed
+WINDOW_PRIOR = (20.0, 8.0)  # measured window: at least this many seconds, or this many steps
+MODEL_NOISE = 0.03  # log-scale misfit of the model on top of a probe's own noise
+PROBE_NOISE_FLOOR = 0.01
+MIN_GAIN = 0.015  # log scale: what a probe must be expected to beat the incumbent by to count
+NOTHING_YET_SPEED_WEIGHT = 0.3  # before anything fits: how much speed counts next to the chance to run
+POLISH_PROBES = 2  # polishing probes of the best configurations whose time is kept to the end
+POLISH_MARGIN = 1.3  # their predicted cost is a guess until their compile mode was timed: keep some more
+MIN_SD = 0.01  # no point is certain: EI stays positive near the incumbent
+WORKER_SCALING = 0.9  # loader throughput ~ workers^0.9
+CAP_MARGIN = 0.1  # a loader's rate read off a waiting probe is a lower bound (the optimizer step hides in it), log scale
+OOM_IMPLIED = 0.05  # P(fits) left where an OOM elsewhere implies this one, given plausible activation ratios
+MEMORY_SD = {"line": 0.03, "point": 0.10, "none": 0.30}  # relative error of a predicted peak, by what the group has measured
+
+# Prior means of log samples/s effects: the expert ordering, as a starting point only.
+_PRIOR: dict[str, dict[Any, float]] = {
+    "precision": {"fp32": 0.0, "tf32": 0.5, "fp16": 0.85, "bf16": 0.9},
+    "attn_implementation": {"eager": 0.0, "sdpa": 0.1, "flash_attention_2": 0.15, "flash_attention_3": 0.17},
+    "gradient_checkpointing": {False: 0.0, True: -0.25},
+    "optim": {"adamw_torch": -0.03, "adamw_torch_fused": 0.0, "adafactor": -0.05, "adamw_bnb_8bit": 0.0},
+}
+_PRIOR_SD = {"precision": 0.35, "attn_implementation": 0.12, "torch_compile": 0.15, "gradient_checkpointing": 0.1,
+             "optim": 0.05, WORKERS: 0.03, ACCUM: 0.05}
+_SATURATION = (1.0, 4.0, 16.0)  # batch sizes at half the saturated rate, as a basis
+_HINGES = (16.0, 32.0, 64.0)  # throughput may fall past these sizes
+_STEP_SATURATION = (2.0, 8.0, 32.0)  # samples per optimizer step at which its step costs as much as the samples
+_TILT_AT = 4.0
+_KINDS: dict[str, dict[str, tuple[Any, ...]]] = {
+    "precision": {"16-bit": ("fp16", "bf16")},
+    "attn_implementation": {"fused": ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")},
+    "torch_compile": {"compiled": ("inductor", "inductor:default", "inductor:reduce-overhead", "inductor:max-autotune",
+                                   "inductor:max-autotune-no-cudagraphs", "cudagraphs", "aot_eager")},
+}
+_WITHIN_KIND_SD = 0.06
+_TILT_SD = {"torch_compile": 0.2}  # compilation mostly cuts per-step overhead: its gain depends on the batch
+_REFERENCE_BATCH = 8.0  # features are zero here (transformers' default batch size): no variance at the baseline's size
+
+
+def _curve(b: float, beta: float) -> float:
+    return -math.log1p(beta / b) + math.log1p(beta / _REFERENCE_BATCH)
+
+
+def _tilt(b: float) -> float:
+    return _curve(b, _TILT_AT)
+
+
+def _of_value(dim: str, functions: list[Callable[..., float]], *, tilted: bool = False) -> Callable[[dict[str, Any]], list[float]]:
+    """Features of one dimension's value (times the batch tilt if ``tilted``)."""
+
+    def features(v: dict[str, Any]) -> list[float]:
+        scale = _tilt(float(v[BATCH])) if tilted else 1.0
+        return [f(v[dim]) * scale for f in functions]
+
+    return features
+
+
+def _prior_mean(dim: str, value: Any) -> float:
+    if dim == "torch_compile":
+        return 0.0 if value == "off" else 0.05
+    return _PRIOR.get(dim, {}).get(value, 0.0)
+
+
+# ---------------------------------------------------------------------- memory groups
+
+
+def _precision_class(value: Any) -> str:
+    return "amp" if value in ("fp16", "bf16") else "fp32"
+
+
+def _needs_no_less(dim: str, x: Any, y: Any) -> bool:
+    """Value ``x`` of a memory-group dimension needs at least the memory of ``y`` (by construction)."""
+    if x == y:
+        return True
+    if dim == "precision":
+        return _precision_class(x) == _precision_class(y)  # fp32 and tf32 store alike, as do fp16 and bf16
+    if dim == "optim":
+        return optimizer_state_bytes(x, 10**9, 2048) >= optimizer_state_bytes(y, 10**9, 2048)
+    if dim == "gradient_checkpointing":
+        return bool(y) and not bool(x)
+    if dim == "attn_implementation":
+        return x == "eager"  # the only kernel that stores the attention scores
+    return False  # compile modes: no order that always holds
+
+
+def _activation_ratio(dim: str, x: Any, y: Any) -> float:
+    """A plausible lower bound of activations per sample with ``x`` over those with ``y``; 0 where
+    ``x`` may hold less static memory (so no bound on the total follows)."""
+    if x == y:
+        return 1.0
+    if dim == "precision":
+        return 1.0 if _precision_class(x) == _precision_class(y) else 0.0
+    if dim == "optim":
+        return 1.0 if _needs_no_less(dim, x, y) else 0.0
+    if dim == "attn_implementation":
+        return 1.0 if x == "eager" else (0.3 if y == "eager" else 0.95)  # fused kernels store alike
+    if dim == "torch_compile":
+        return 0.95 if "off" not in (x, y) else 0.7  # compile modes share the graph; compiling fuses away some activations
+    if dim == "gradient_checkpointing":
+        return 1.0 if not x else 0.05
+    return 0.5
+
+
+def _similarity(dim: str, x: Any, y: Any) -> float:
+    """How much memory evidence about a group with value ``y`` carries to one with value ``x`` (0..1)."""
+    if x == y:
+        return 1.0
+    if dim == "precision":
+        return 1.0 if _precision_class(x) == _precision_class(y) else 0.0  # AMP adds a weight copy, halves activations
+    if dim == "optim":
+        return 1.0 if _needs_no_less(dim, x, y) else 0.5  # more state: at least as short of memory
+    if dim == "attn_implementation":
+        return 0.8 if "eager" not in (x, y) else (1.0 if x == "eager" else 0.5)
+    if dim == "torch_compile":
+        return 0.8  # compiled activations differ by some tens of percent
+    if dim == "gradient_checkpointing":
+        return 1.0 if not x else 0.5  # checkpointing frees most activations
+    return 0.5
+
+
+@dataclass
+class _Groups:
+    """The memory groups of a grid (one per combination of :data:`GROUP_KEYS` values), in C order."""
+
+    dims: tuple[str, ...]
+    codes: np.ndarray  # groups x dims: value index per dimension
+    values: list[tuple[Any, ...]]
+    dominance: list[np.ndarray]  # per dim: [i, j] = value i needs no less memory than value j
+    similarity: np.ndarray  # groups x groups: how far an OOM in one says something about the other's memory (0..1)
+    activation_ratio: np.ndarray  # [g, h]: a lower bound of g's activations per sample over h's (0: g's static may be smaller)
+
+    @classmethod
+    def of(cls, grid: Grid) -> _Groups:
+        dims = tuple(n for n in grid.names if n in GROUP_KEYS)
+        sizes = [len(grid.values[d]) for d in dims]
+        codes = np.array(list(np.ndindex(*sizes)), dtype=int).reshape(-1, len(dims))
+        values = [tuple(grid.values[d][i] for d, i in zip(dims, row)) for row in codes]
+        dominance = [np.array([[_needs_no_less(d, x, y) for y in grid.values[d]] for x in grid.values[d]]) for d in dims]
+        similarity = np.ones((len(codes), len(codes)))
+        for d, dim in enumerate(dims):
+            table = np.array([[_similarity(dim, x, y) for y in grid.values[dim]] for x in grid.values[dim]])
+            similarity *= table[codes[:, d][:, None], codes[:, d][None, :]]
+        ratio = np.ones((len(codes), len(codes)))
+        for d, dim in enumerate(dims):
+            table = np.array([[_activation_ratio(dim, x, y) for y in grid.values[dim]] for x in grid.values[dim]])
+            ratio *= table[codes[:, d][:, None], codes[:, d][None, :]]
+        return cls(dims, codes, values, dominance, similarity, ratio)
+
+    def index(self, params: TrialParams, grid: Grid) -> int:
+        codes = [grid.values[d].index(getattr(params, d)) for d in self.dims]
+        return int(np.ravel_multi_index(tuple(codes), [len(grid.values[d]) for d in self.dims])) if codes else 0
+
+    def needing_no_less_than(self, group: int) -> np.ndarray:
+        mask = np.ones(len(self.codes), dtype=bool)
+        for d, table in enumerate(self.dominance):
+            mask &= table[self.codes[:, d], self.codes[group, d]]
+        return mask
+
+    def needing_no_more_than(self, group: int) -> np.ndarray:
+        mask = np.ones(len(self.codes), dtype=bool)
+        for d, table in enumerate(self.dominance):
+            mask &= table[self.codes[group, d], self.codes[:, d]]
+        return mask
+
+
+@dataclass
+class MemoryEvidence:
+    """Measured peaks and OOMs per memory group, spread to the groups they say something about.
+
+    ``ruled_out[g, j]``: an OOM, or a peak over the ceiling, at a batch no larger than batch j in a
+    group needing no more memory than g. ``known_fit[g, j]``: a peak under the ceiling at a batch
+    no smaller in a group needing no less memory (this wins: measurements of g's own are exact).
+    """
+
+    fits: dict[int, dict[int, int]]  # group -> batch -> measured peak
+    ooms: list[tuple[int, int]]  # (group, batch index) out of memory
+    over: list[tuple[int, int]]  # (group, batch index) out of memory or measured over the ceiling
+    ruled_out: np.ndarray  # groups x batches
+    known_fit: np.ndarray
+
+    @classmethod
+    def of(cls, groups: _Groups, grid: Grid, history: Iterable[Probe], ceiling: int) -> MemoryEvidence:
+        batches = list(grid.values[BATCH])
+        fits: dict[int, dict[int, int]] = {}
+        ooms: list[tuple[int, int]] = []
+        over: list[tuple[int, int]] = []
+        ruled_out = np.zeros((len(groups.codes), len(batches)), dtype=bool)
+        known_fit = np.zeros_like(ruled_out)
+        for probe in history:
+            if probe.params.per_device_train_batch_size not in batches:
+                continue
+            group = groups.index(probe.params, grid)
+            j = batches.index(probe.params.per_device_train_batch_size)
+            if probe.result.status is ProbeStatus.OOM:
+                ooms.append((group, j))
+                over.append((group, j))
+                ruled_out[groups.needing_no_less_than(group), j:] = True
+            elif probe.result.ok and probe.result.peak_mem_bytes is not None:
+                peak = int(probe.result.peak_mem_bytes)
+                mine = fits.setdefault(group, {})
+                mine[j] = max(mine.get(j, 0), peak)
+                if peak > ceiling:
+                    over.append((group, j))
+                    ruled_out[groups.needing_no_less_than(group), j:] = True
+                else:
+                    known_fit[groups.needing_no_more_than(group), : j + 1] = True
+        return cls(fits, ooms, over, ruled_out & ~known_fit, known_fit)
+
+
+# ---------------------------------------------------------------------- the strategy
+
+
+@dataclass
+class _Context:
+    """What depends on the space only: the grid, the surrogate's features, the memory groups."""
+
+    grid: Grid
+    surrogate: Surrogate
+    groups: _Groups
+    batch_values: np.ndarray  # grid-broadcastable
+    accum_values: np.ndarray  # grid-broadcastable (derived from the batch under a fixed effective batch size)
+    compile_values: np.ndarray  # grid-broadcastable
+    other_axes: tuple[int, ...]  # the grid axes that are not memory-group dimensions
+    lines: dict[int, tuple[float, float] | None] = field(default_factory=dict)  # per group, for one history length
+    lines_at: int = -1
+    p_ok: dict[str, tuple[tuple[Any, ...], np.ndarray]] = field(default_factory=dict)  # per kind of failure, its last prediction by its key
+    flat_of_key: dict[tuple[Any, ...], int | None] = field(default_factory=dict)
+
+
+class BayesStrategy(Strategy):
+    """Expected improvement per probe second under a learnt throughput, failure and memory model."""
+
+    name = "bayes"
+
+    def __init__(self) -> None:
+        self._context: _Context | None = None
+
+    def sampler(self, seed: int) -> optuna.samplers.BaseSampler:
+        return tpe_sampler(seed)
+
+    def prune(self, params: TrialParams, state: SearchState) -> str | None:
+        reason = state.memory.prune_reason(params, state.ceiling_bytes)
+        if reason is not None:
+            return reason
+        context = self._get_context(state)
+        grid = context.grid
+        if grid.flat_index(params) is None:
+            return None
+        evidence = MemoryEvidence.of(context.groups, grid, state.history, state.ceiling_bytes)
+        j = grid.values[BATCH].index(params.per_device_train_batch_size)
+        if evidence.ruled_out[context.groups.index(params, grid), j]:
+            return "out of memory, or over the ceiling, at a batch no larger in a group needing no more memory"
+        for kind in KINDS:
+            failed = FailureModel.from_history(grid, state.history, kind).certain_failure(params)
+            if failed is not None:
+                return f"holds every suspect of the {kind.name} of {failed.short()}"
+        return None
+
+    # ------------------------------------------------------------------ proposing
+
+    def propose(self, state: SearchState) -> TrialParams | None:
+        context = self._get_context(state)
+        grid = context.grid
+        history = list(state.history)
+        ran = [p for p in history if p.result.status is ProbeStatus.OK and p.result.samples_per_s and grid.flat_index(p.params) is not None]
+        mean, sd, cap = self._throughput(context, ran)
+        p_ok: np.ndarray = np.ones(1)
+        for kind in KINDS:
+            failures = FailureModel.from_history(grid, history, kind)
+            cached = context.p_ok.get(kind.name)
+            if cached is None or cached[0] != failures.key():
+                cached = context.p_ok[kind.name] = (failures.key(), failures.p_ok_grid(grid))
+            p_ok = p_ok * cached[1]  # over every axis but the batch: broadcast where used
+        p_ok = np.broadcast_to(p_ok, grid.shape)
+        evidence = MemoryEvidence.of(context.groups, grid, history, state.ceiling_bytes)
+        cost_ok, cost_fail = self._costs(context, history, mean)
+        # What may be proposed at all.
+        allowed = p_ok > 0.0
+        allowed = allowed & ~self._batch_grid(context, evidence.ruled_out)
+        if state.remaining_s is not None:
+            allowed = allowed & (cost_ok <= state.remaining_s)
+        if not ran:
+            frugal = allowed & self._frugal_mask(context)
+            allowed = frugal if frugal.any() else allowed
+        allowed = allowed.copy()
+        allowed.reshape(-1)[self._seen_flat(context, state, history)] = False
+        if not allowed.any():
+            return None
+        feasible = state.feasible()
+        gain = self._gain(context, feasible, mean, sd, cap, allowed)
+        if state.remaining_s is not None:
+            # A probe that would eat into the time kept for polishing is not started.
+            reserve, polish = self._polish_reserve(context, state, feasible, gain, p_ok, cost_ok, cost_fail, allowed)
+            allowed = allowed & (polish | (cost_ok + reserve <= state.remaining_s))
+            if not allowed.any():
+                return None
+        # Upper bound of the score (P(fits) = 1 wherever no evidence says otherwise), then the exact
+        # score group by group, best bound first.
+        known = self._batch_grid(context, evidence.known_fit)
+        bound = self._score(gain, p_ok, np.ones(1), cost_ok, cost_fail, allowed)
+        per_group = bound.max(axis=context.other_axes).reshape(-1)
+        self._refresh_lines(context, state, len(history))
+        best_score, best_index = -np.inf, None
+        for group in np.argsort(-per_group, kind="stable"):
+            if per_group[group] <= best_score or not np.isfinite(per_group[group]):
+                break
+            cells = self._group_cells(context, int(group))
+            p_fit = self._p_fit_row(context, state, evidence, int(group))
+            p_fit_cells = np.where(known[cells], 1.0, p_fit.reshape(self._batch_shape(context)))
+            score = self._score(gain[cells], p_ok[cells], p_fit_cells, cost_ok[cells], cost_fail[cells], allowed[cells])
+            score = np.where(self._pruned_row(context, state, evidence, int(group)).reshape(self._batch_shape(context)) & ~known[cells], -np.inf, score)
+            local = int(np.argmax(score))
+            if score.reshape(-1)[local] > best_score:
+                best_score = float(score.reshape(-1)[local])
+                best_index = self._flat_of(context, int(group), local)
+        if best_index is None:
+            return None
+        return grid.params_at(best_index)
+
+    # ------------------------------------------------------------------ the throughput model
+
+    def _throughput(self, context: _Context, ran: list[Probe]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Posterior mean and sd of log samples/s on the grid, loader included, and the loader's cap."""
+        surrogate = context.surrogate
+        rows, targets, noise = [], [], []
+        for probe in ran:
+            wait = min(probe.result.input_wait_fraction or 0.0, 0.9)
+            rows.append(surrogate.features(probe.params))
+            targets.append(math.log(probe.result.samples_per_s or 1.0) - math.log1p(-wait))  # the compute part
+            probe_noise = max(probe.result.step_time_ci95_rel or 0.02, PROBE_NOISE_FLOOR)
+            noise.append(probe_noise**2 + MODEL_NOISE**2 + (wait / (1 - wait) * 0.05) ** 2)
+        surrogate.prior_mean[surrogate.index_of("intercept")] = float(np.median(targets)) if targets else 0.0
+        surrogate.fit(np.array(rows).reshape(len(rows), surrogate.n_features), np.array(targets), np.array(noise))
+        compute_mean, sd = surrogate.predict_grid()
+        mean, cap = self._input_model(context, ran, compute_mean)
+        return mean, np.maximum(sd, np.float32(MIN_SD)), cap
+
+    def _input_model(self, context: _Context, ran: list[Probe], compute_mean: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Mean log samples/s with the loader in, and the loader's cap per point (+inf: none known)."""
+        grid = context.grid
+        shape = grid.broadcast_shape((WORKERS,))
+        if WORKERS not in grid.names:
+            return compute_mean, np.full(shape, np.inf)
+        main_rates, worker_rates, worker_bounds = [], [], []
+        for probe in ran:
+            wait = probe.result.input_wait_fraction
+            sps = probe.result.samples_per_s or 0.0
+            count = probe.params.dataloader_num_workers
+            if wait is None or sps <= 0:
+                continue
+            if count == 0:
+                if wait > 0.01:
+                    main_rates.append(sps / wait)  # loading in the training process is serial with compute
+            elif wait > 0.05:
+                worker_rates.append(sps / count**WORKER_SCALING)  # the loader sets the pace
+            else:
+                worker_bounds.append(sps / count**WORKER_SCALING)  # the loader kept up: at least this fast
+        main_rate = statistics.median(main_rates) if main_rates else None
+        if worker_rates:
+            # A waiting probe's throughput is below its loader's rate (its optimizer step adds to the
+            # step), so every probe bounds the rate from below: the largest bound is the estimate.
+            per_worker = max(worker_rates + worker_bounds)
+        elif main_rate is not None:
+            per_worker = max(main_rate, max(worker_bounds, default=0.0))  # one worker about as fast as the main process
+        else:
+            per_worker = math.inf
+        workers = np.array(grid.values[WORKERS], dtype=float).reshape(shape)
+        if math.isfinite(per_worker):
+            cap = np.where(workers > 0, np.log(per_worker * np.maximum(workers, 1.0) ** WORKER_SCALING) + CAP_MARGIN, np.inf)
+        else:
+            cap = np.full(shape, np.inf)
+        cap = cap.astype(np.float32)
+        mean = np.minimum(compute_mean, cap)
+        if main_rate is not None:
+            serial = -np.log(np.exp(-compute_mean) + np.float32(1.0 / main_rate))
+            mean = np.where(workers == 0, serial, mean)
+        return mean.astype(np.float32), cap
+
+    def _gain(self, context: _Context, feasible: list[Configuration], mean: np.ndarray, sd: np.ndarray, cap: np.ndarray, allowed: np.ndarray) -> np.ndarray:
+        """Expected improvement (log samples/s) over the incumbent, at most up to a point's loader cap."""
+        grid = context.grid
+        if not feasible:
+            # Nothing fits yet: what runs at all matters most (it clears its values of suspicion and
+            # gives the memory model its scale); among those, mildly prefer the fast.
+            top = float(mean[allowed].max()) if allowed.any() else 0.0
+            return np.exp(NOTHING_YET_SPEED_WEIGHT * (mean - top))
+        # Improvements within a probe's noise are not worth a probe: count only those beyond it.
+        # Compilation multiplies throughput by a factor of its own, so an uncompiled configuration
+        # that beats the best uncompiled one will beat the best compiled one once compiled: it is
+        # measured against the former, at a fraction of the cost of compiling every candidate.
+        best_all = math.log(feasible[0].mean_samples_per_s) + MIN_GAIN
+        plain = [c for c in feasible if c.params.torch_compile == "off"]
+        best_plain = math.log(plain[0].mean_samples_per_s) + MIN_GAIN if plain else best_all
+        best = np.where(context.compile_values == "off", best_plain, best_all).astype(np.float32)
+        cap = np.broadcast_to(cap, grid.shape)
+        capped = np.isfinite(cap)
+        gain = expected_improvement(mean, sd, best)
+        if capped.any():
+            gain = gain - np.where(capped, expected_improvement(mean, sd, np.where(capped, cap, 0.0)), 0.0)
+        return np.where(cap > best, np.maximum(gain, 0.0), 0.0)
+
+    def _polish_reserve(self, context: _Context, state: SearchState, feasible: list[Configuration], gain: np.ndarray, p_ok: np.ndarray,
+                        cost_ok: np.ndarray, cost_fail: np.ndarray, allowed: np.ndarray) -> tuple[float, np.ndarray]:
+        """Seconds to keep for polishing the best configurations, and the polishing probes themselves.
+
+        Compilation and accumulation multiply throughput and cost a probe many times over (a compile
+        mode's compilation, a step of many micro-batches), so per second they rank late, and a run
+        that explores until its end never gets to them. Their most promising variants of the
+        incumbent and of the best uncompiled configuration (other compile modes, more accumulation)
+        keep their time: the :data:`POLISH_PROBES` best, at their predicted cost, which follows the
+        measured compile and step times.
+        """
+        grid = context.grid
+        mask = np.zeros(grid.size, dtype=bool)
+        if not feasible:
+            return 0.0, mask.reshape(grid.shape)
+        bases = [feasible[0].params] + [c.params for c in feasible if c.params.torch_compile == "off"][:1]
+        accums = sorted({grid.accumulation(b.per_device_train_batch_size, a) for b in bases for a in grid.values.get(ACCUM, (None,))})
+        flat = {name: np.broadcast_to(a, grid.shape).reshape(-1) for name, a in
+                (("gain", gain), ("p_ok", p_ok), ("cost_ok", cost_ok), ("cost_fail", cost_fail), ("allowed", allowed))}
+        scored = []
+        for base in bases:
+            for mode in grid.values["torch_compile"]:
+                for accum in accums:
+                    if accum < base.gradient_accumulation_steps:
+                        continue
+                    changes: dict[str, Any] = {"torch_compile": mode}
+                    if ACCUM in grid.names:
+                        changes[ACCUM] = accum
+                    index = grid.flat_index(state.space.with_changes(base, **changes))
+                    if index is None or not flat["allowed"][index] or mask[index]:
+                        continue
+                    score = float(self._score(flat["gain"][index], flat["p_ok"][index], 1.0, flat["cost_ok"][index], flat["cost_fail"][index], True))
+                    if score > 0:
+                        mask[index] = True
+                        scored.append((score, float(flat["cost_ok"][index]), index))
+        scored.sort(reverse=True)
+        keep = np.zeros(grid.size, dtype=bool)
+        for _, _, index in scored[:POLISH_PROBES]:
+            keep[index] = True
+        return POLISH_MARGIN * sum(cost for _, cost, _ in scored[:POLISH_PROBES]), keep.reshape(grid.shape)
+
+    @staticmethod
+    def _score(gain: Any, p_ok: Any, p_fit: Any, cost_ok: Any, cost_fail: Any, allowed: Any) -> np.ndarray:
+        """Expected improvement per expected probe second (increasing in P(fits), so 1 bounds it)."""
+        p_run = p_ok * p_fit
+        expected_cost = p_run * cost_ok + (1.0 - p_run) * cost_fail
+        return np.where(allowed, p_run * gain / np.maximum(expected_cost, 1.0), -np.inf)
+
+    # ------------------------------------------------------------------ memory, per group
+
+    def _refresh_lines(self, context: _Context, state: SearchState, stamp: int) -> None:
+        if context.lines_at != stamp:
+            context.lines, context.lines_at = {}, stamp
+
+    def _line(self, context: _Context, state: SearchState, group: int) -> tuple[float, float] | None:
+        """The memory model's peak for ``group`` as (bytes at batch 0, bytes per sample); ``None`` before any scale."""
+        if group not in context.lines:
+            params = context.grid.params_at(0).replace(**dict(zip(context.groups.dims, context.groups.values[group])))
+            one = state.memory.predict(params.replace(per_device_train_batch_size=1))
+            two = state.memory.predict(params.replace(per_device_train_batch_size=2))
+            context.lines[group] = None if one is None or two is None else (2.0 * one - two, float(two - one))
+        return context.lines[group]
+
+    def _predicted_row(self, context: _Context, state: SearchState, group: int) -> np.ndarray | None:
+        line = self._line(context, state, group)
+        if line is None:
+            return None
+        return line[0] + line[1] * context.batch_values.reshape(-1)
+
+    def _p_fit_row(self, context: _Context, state: SearchState, evidence: MemoryEvidence, group: int) -> np.ndarray:
+        """P(peak <= ceiling) along the batch axis for ``group``."""
+        ceiling = state.ceiling_bytes
+        model = self._predicted_row(context, state, group)
+        if model is None:
+            return np.full(len(context.grid.values[BATCH]), 0.5)
+        fits = evidence.fits.get(group, {})
+        kind = "line" if len(fits) >= 2 else "point" if fits else "none"
+        sd = MEMORY_SD[kind]
+        margin = np.log(ceiling / np.maximum(model, 1.0))  # how far under the ceiling the model puts each batch
+        floor = -np.inf
+        if not fits:
+            # The model's log error r on a group it has not measured is ~ N(0, sd^2). Going over the
+            # ceiling where it predicted a margin m says r > m there; groups alike to that one
+            # (similarity w) are taken to share the error, so r > w m for ours: a truncated normal.
+            for other, j in evidence.over:
+                weight = context.groups.similarity[group, other]
+                other_row = self._predicted_row(context, state, other) if weight > 0 else None
+                if other_row is not None:
+                    floor = max(floor, weight * math.log(ceiling / max(float(other_row[j]), 1.0)))
+        if np.isfinite(floor):
+            below = float(normal_cdf(np.array(floor / sd)))
+            p_fit = np.clip((normal_cdf(margin / sd) - below) / max(1.0 - below, 1e-9), 0.0, 1.0)
+        else:
+            p_fit = normal_cdf(margin / sd)
+        for j, peak in fits.items():
+            p_fit[j] = float(peak <= ceiling)
+        # Over the ceiling at batch b0 (OOM or measured) in a group with no more static memory,
+        # whose activations per sample are at most 1/ratio of ours: ours is over from b0 / ratio on.
+        batches = context.batch_values.reshape(-1)
+        for other, j in evidence.over:
+            ratio = context.groups.activation_ratio[group, other]
+            if ratio > 0:
+                p_fit = np.where(batches >= batches[j] / ratio, p_fit * OOM_IMPLIED, p_fit)
+        return p_fit
+
+    def _pruned_row(self, context: _Context, state: SearchState, evidence: MemoryEvidence, group: int) -> np.ndarray:
+        """What :meth:`MemoryModel.prune_reason` rules out by prediction, along the batch axis."""
+        model = self._predicted_row(context, state, group)
+        if model is None:
+            return np.zeros(len(context.grid.values[BATCH]), dtype=bool)
+        fits = evidence.fits.get(group)
+        if not fits and len(evidence.fits) < 2:
+            return np.zeros(len(model), dtype=bool)  # the memory model prunes an unmeasured group only once two are measured
+        margin = PRUNE_MARGIN if fits else UNCALIBRATED_PRUNE_MARGIN
+        return model > state.ceiling_bytes * (1 + margin)
+
+    # ------------------------------------------------------------------ grid plumbing
+
+    def _batch_shape(self, context: _Context) -> tuple[int, ...]:
+        """The shape of one group's cells with the batch axis kept and the others of size 1."""
+        grid = context.grid
+        return tuple(len(grid.values[BATCH]) if grid.names[a] == BATCH else 1 for a in context.other_axes)
+
+    def _group_cells(self, context: _Context, group: int) -> tuple[Any, ...]:
+        """An index into grid-shaped arrays selecting one memory group (its other axes kept)."""
+        grid = context.grid
+        codes = dict(zip(context.groups.dims, context.groups.codes[group]))
+        return tuple(int(codes[n]) if n in codes else slice(None) for n in grid.names)
+
+    def _flat_of(self, context: _Context, group: int, local: int) -> int:
+        grid = context.grid
+        codes = dict(zip(context.groups.dims, context.groups.codes[group]))
+        other = np.unravel_index(local, [grid.shape[a] for a in context.other_axes])
+        other_codes = dict(zip([grid.names[a] for a in context.other_axes], other))
+        full = tuple(int(codes[n]) if n in codes else int(other_codes[n]) for n in grid.names)
+        return int(np.ravel_multi_index(full, grid.shape))
+
+    def _batch_grid(self, context: _Context, table: np.ndarray) -> np.ndarray:
+        """A groups x batches table as a grid-broadcastable array."""
+        grid = context.grid
+        dims = (*context.groups.dims, BATCH)
+        shaped = table.reshape([len(grid.values[d]) for d in dims])
+        order = np.argsort([grid.axis[d] for d in dims])
+        return np.broadcast_to(shaped.transpose(order).reshape(grid.broadcast_shape(dims)), grid.shape)
+
+    @staticmethod
+    def _seen_flat(context: _Context, state: SearchState, history: list[Probe]) -> list[int]:
+        """Grid indices of what ran or was pruned: never proposed again."""
+        keys = [p.params.key() for p in history]
+        if isinstance(state.seen, Iterable):
+            keys += list(state.seen)
+        indices = []
+        for key in keys:
+            if key not in context.flat_of_key:
+                context.flat_of_key[key] = context.grid.flat_index(TrialParams.from_dict(dict(zip(PARAM_NAMES, key))))
+            index = context.flat_of_key[key]
+            if index is not None:
+                indices.append(index)
+        return indices
+
+    def _frugal_mask(self, context: _Context) -> np.ndarray:
+        """Before anything ran: checkpointing, the optimizer with the least state, the smallest batch."""
+        grid = context.grid
+        mask = np.ones(grid.shape, dtype=bool)
+        if True in grid.values["gradient_checkpointing"]:
+            mask = mask & np.array([v is True for v in grid.values["gradient_checkpointing"]]).reshape(grid.broadcast_shape(("gradient_checkpointing",)))
+        states = [optimizer_state_bytes(o, 10**9, 2048) for o in grid.values["optim"]]
+        mask = mask & (np.array(states) == min(states)).reshape(grid.broadcast_shape(("optim",)))
+        return mask & (context.batch_values == min(grid.values[BATCH]))
+
+    def _costs(self, context: _Context, history: list[Probe], mean: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Seconds a probe takes if it runs, and if it fails early (start-up, half the compilation, a step)."""
+        grid = context.grid
+        setups = [p.result.setup_s for p in history if p.result.setup_s]
+        startup = statistics.median(setups) if setups else STARTUP_PRIOR_S
+        compile_s: dict[str, list[float]] = {}
+        windows, steps = [], []
+        for probe in history:
+            r = probe.result
+            if not (r.ok and r.wall_s and r.step_time_s):
+                continue
+            warmup = r.warmup_s if r.warmup_s is not None else WARMUP_STEPS * r.step_time_s
+            if probe.params.torch_compile != "off":
+                compile_s.setdefault(probe.params.torch_compile, []).append(max(warmup - WARMUP_STEPS * r.step_time_s, 0.0))
+            window = r.wall_s - (r.setup_s or startup) - warmup
+            if window > 0:
+                windows.append(window)
+                steps.append(window / r.step_time_s)
+        # The window is the longer of a time floor and a step count: the smallest of each seen bounds them.
+        window_s, window_steps = (min(windows), min(steps)) if windows else WINDOW_PRIOR
+        known = {m: statistics.median(v) for m, v in compile_s.items() if v}
+        table = []
+        for mode in grid.values["torch_compile"]:
+            if mode == "off":
+                table.append(0.0)
+            elif mode in known:
+                table.append(known[mode])
+            elif "max-autotune" in mode:
+                # Autotuning benchmarks kernel candidates: several times the plain mode's compilation.
+                table.append(MAX_AUTOTUNE_COMPILE_FACTOR * max(known.values()) if known else COMPILE_PRIOR_S["max-autotune"])
+            else:
+                table.append(statistics.median(list(known.values())) if known else COMPILE_PRIOR_S["default"])
+        compile_grid = np.array(table).reshape(grid.broadcast_shape(("torch_compile",)))
+        step_s = context.accum_values * context.batch_values / np.exp(mean)
+        cost_ok = startup + compile_grid + WARMUP_STEPS * step_s + np.maximum(window_s, window_steps * step_s)
+        cost_fail = startup + 0.5 * compile_grid + step_s / np.maximum(context.accum_values, 1.0)
+        return np.broadcast_to(cost_ok, grid.shape), np.broadcast_to(cost_fail, grid.shape)
+
+    # ------------------------------------------------------------------ features
+
+    def _get_context(self, state: SearchState) -> _Context:
+        if self._context is not None and self._context.grid.space == state.space:
+            return self._context
+        grid = Grid(state.space)
+        builder = BlockBuilder(grid)
+
+        def accum_of(v: dict[str, Any]) -> int:
+            return grid.accumulation(v.get(BATCH, 1), v.get(ACCUM))
+
+        accum_dims = (ACCUM,) if ACCUM in grid.names else ((BATCH,) if state.space.effective_batch_size else ())
+        accum_values = sorted({grid.accumulation(b, a) for b in grid.values[BATCH] for a in grid.values.get(ACCUM, (1,))})
+        batch_features: list[tuple[str, Any, float, float]] = [("intercept", lambda b: 1.0, 0.0, 3.0)]
+        batch_features += [(f"curve{beta:g}", (lambda b, beta=beta: _curve(b, beta)), 1.0 / len(_SATURATION), 0.35) for beta in _SATURATION]
+        batch_features += [(f"hinge{k:g}", (lambda b, k=k: -max(0.0, math.log(b / k))), 0.0, 0.1) for k in _HINGES]
+        batch_features += [("misaligned8", lambda b: float(b % 8 != 0), -0.1, 0.1), ("misaligned64", lambda b: float(b % 64 != 0 and b % 8 == 0), -0.02, 0.03)]
+        batch_features += [(f"batch{b}", (lambda x, b=b: float(x == b)), 0.0, 0.02) for b in grid.values[BATCH]]
+        builder.add(
+            (BATCH,), [f[0] for f in batch_features], lambda v: [f[1](float(v[BATCH])) for f in batch_features],
+            [f[2] for f in batch_features], [f[3] for f in batch_features],
+        )
+        for dim in ("precision", "attn_implementation", "torch_compile", "gradient_checkpointing", "optim", WORKERS):
+            values = grid.values[dim]
+            if len(values) < 2:
+                continue
+            # Values of one kind (16-bit precisions, fused attention kernels, compile modes) share
+            # an effect, each deviating a little from it: measuring one says much about the others.
+            kinds = [(k, members) for k, members in _KINDS.get(dim, {}).items() if sum(x in members for x in values) >= 2]
+            names: list[str] = []
+            functions: list[Callable[..., float]] = []
+            means: list[float] = []
+            sds: list[float] = []
+            for kind, members in kinds:
+                inside = [x for x in values if x in members]
+                names.append(f"{dim}:{kind}")
+                functions.append(lambda x, inside=inside: float(x in inside))
+                means.append(statistics.fmean(_prior_mean(dim, x) for x in inside))
+                sds.append(_PRIOR_SD.get(dim, 0.1))
+            for x in values:
+                kind_mean = next((m for (k, members), m in zip(kinds, means) if x in members), None)
+                names.append(f"{dim}={x}")
+                functions.append(lambda v, x=x: float(v == x))
+                means.append(_prior_mean(dim, x) - (kind_mean or 0.0))
+                sds.append(_WITHIN_KIND_SD if kind_mean is not None else _PRIOR_SD.get(dim, 0.1))
+            builder.add((dim,), names, _of_value(dim, functions), means, sds)
+            if dim not in ("optim", WORKERS):  # faster kernels saturate at larger batches
+                tilt_sd = _TILT_SD.get(dim, 0.08)
+                builder.add((dim, BATCH), [f"{n}:tilt" for n in names],
+                            _of_value(dim, functions, tilted=True),
+                            0.0, [tilt_sd if not n.startswith(f"{dim}=") or sd != _WITHIN_KIND_SD else tilt_sd / 3 for n, sd in zip(names, sds)])
+        if accum_dims and len(accum_values) > 1:  # per-micro-batch overheads of accumulating
+            builder.add(accum_dims, [f"accum={a}" for a in accum_values], lambda v: [float(accum_of(v) == a) for a in accum_values],
+                        0.0, _PRIOR_SD[ACCUM])
+        # The optimizer step is paid once per optimizer step, so its share falls with the samples per
+        # step (batch x accumulation) like a step's overhead falls with the batch: the same saturating
+        # curve, in samples per step, one per optimizer (their steps differ several-fold).
+        optims = grid.values["optim"]
+        step_dims = (*accum_dims, BATCH, "optim")
+
+        def per_step(v: dict[str, Any]) -> list[float]:
+            samples = float(v[BATCH]) * accum_of(v)
+            curves = [_curve(samples, beta) for beta in _STEP_SATURATION]
+            return curves + [c * float(v["optim"] == o) for o in optims for c in curves]
+
+        builder.add(step_dims, [f"step{b:g}" for b in _STEP_SATURATION] + [f"step{b:g}:{o}" for o in optims for b in _STEP_SATURATION],
+                    per_step, [0.05] * len(_STEP_SATURATION) + [0.0] * (len(optims) * len(_STEP_SATURATION)),
+                    [0.15] * len(_STEP_SATURATION) + [0.1] * (len(optims) * len(_STEP_SATURATION)))
+        surrogate = Surrogate(grid, builder.blocks)
+        batch_values = grid.along((BATCH,), lambda **v: float(v[BATCH]))
+        accum_grid = grid.along(accum_dims, lambda **v: float(accum_of(v))) if accum_dims else np.ones(grid.broadcast_shape(()))
+        groups = _Groups.of(grid)
+        other_axes = tuple(i for i, n in enumerate(grid.names) if n not in groups.dims)
+        compile_values = np.array(grid.values["torch_compile"], dtype=object).reshape(grid.broadcast_shape(("torch_compile",)))
+        self._context = _Context(grid, surrogate, groups, batch_values, accum_grid, compile_values, other_axes)
+        return self._context

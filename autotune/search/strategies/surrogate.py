@@ -1,0 +1,248 @@
+"""A Bayesian model of log samples/s over the whole grid, with the problem's structure as features.
+
+Throughput is close to a product of per-dimension factors (precision, attention kernel, compile
+mode, checkpointing, optimizer, loader workers, accumulation), so its logarithm is close to a sum of
+per-value effects; batch size enters through a saturating curve (``-log(1 + beta / b)`` for a few
+saturation points, the overhead of a step amortised over its samples), hinges that let it fall
+past a middle size, misalignment indicators (not a multiple of 8, of 64) and a small per-size
+residual. Faster kernels saturate later, so the curve is tilted per precision, attention, compile
+mode, checkpointing and accumulation; the optimizer step is amortised by accumulation, so those
+two interact. Each feature depends on one or two dimensions of the grid.
+
+The model is Bayesian linear regression: a Gaussian prior per feature (the expert ordering enters
+only as prior means: a guess about what to try first, which measurements override), Gaussian
+noise, a closed-form posterior. Predictions over the whole grid (~90,000 points) are vectorised
+without building the grid's feature matrix: the mean is a sum of per-block lookups and the
+variance ``x' S x`` a sum over pairs of blocks of small tensors broadcast into the grid, so a
+prediction takes a few milliseconds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from autotune.params import TrialParams
+from autotune.space import SearchSpace
+
+BATCH = "per_device_train_batch_size"
+ACCUM = "gradient_accumulation_steps"
+
+
+class Grid:
+    """The points of a space as an n-dimensional array, one axis per free parameter."""
+
+    def __init__(self, space: SearchSpace) -> None:
+        self.space = space
+        self.names: tuple[str, ...] = tuple(space.free_params)
+        self.values: dict[str, tuple[Any, ...]] = {n: tuple(space.choices[n]) for n in self.names}
+        self.shape: tuple[int, ...] = tuple(len(self.values[n]) for n in self.names)
+        self.size = int(np.prod(self.shape))
+        self._codes = {n: {v: i for i, v in enumerate(self.values[n])} for n in self.names}
+        self.axis = {n: i for i, n in enumerate(self.names)}
+
+    def flat_index(self, params: TrialParams) -> int | None:
+        codes = []
+        for name in self.names:
+            code = self._codes[name].get(getattr(params, name))
+            if code is None:
+                return None
+            codes.append(code)
+        return int(np.ravel_multi_index(tuple(codes), self.shape))
+
+    def params_at(self, flat: int) -> TrialParams:
+        codes = np.unravel_index(flat, self.shape)
+        return self.space.complete({n: self.values[n][int(c)] for n, c in zip(self.names, codes)})
+
+    def accumulation(self, batch: Any, accum: Any) -> int:
+        """The accumulation of a point (derived from the batch under a fixed effective batch size)."""
+        if ACCUM in self.names or not self.space.effective_batch_size:
+            return int(accum if accum is not None else 1)
+        return int(self.space.effective_batch_size // int(batch))
+
+    def broadcast_shape(self, dims: Sequence[str]) -> tuple[int, ...]:
+        """The grid's shape with 1 on every axis not in ``dims``."""
+        return tuple(self.shape[i] if n in dims else 1 for i, n in enumerate(self.names))
+
+    def along(self, dims: Sequence[str], function: Callable[..., float]) -> np.ndarray:
+        """``function(**values of dims)`` at every combination, as an array broadcastable to the grid."""
+        dims = [d for d in self.names if d in dims]
+        out = np.empty([len(self.values[d]) for d in dims], dtype=float)
+        for index in np.ndindex(*out.shape):
+            out[index] = function(**{d: self.values[d][i] for d, i in zip(dims, index)})
+        return out.reshape(self.broadcast_shape(dims))
+
+
+@dataclass
+class Block:
+    """Features that depend on the same few dimensions: a tensor over those axes, features last."""
+
+    dims: tuple[str, ...]
+    names: tuple[str, ...]
+    tensor: np.ndarray  # grid.broadcast_shape(dims) + (n_features,)
+    prior_mean: np.ndarray
+    prior_sd: np.ndarray
+
+
+FeatureFn = Callable[[dict[str, Any]], list[float]]
+
+
+class BlockBuilder:
+    """Collects feature blocks for a grid; each block is evaluated once per combination of its dims."""
+
+    def __init__(self, grid: Grid) -> None:
+        self.grid = grid
+        self.blocks: list[Block] = []
+
+    def add(self, dims: Sequence[str], names: Sequence[str], function: FeatureFn, mean: Sequence[float] | float, sd: Sequence[float] | float) -> None:
+        dims = tuple(d for d in self.grid.names if d in dims)
+        n = len(names)
+        if n == 0:
+            return
+        sizes = [len(self.grid.values[d]) for d in dims]
+        tensor = np.empty([*sizes, n], dtype=float)
+        for index in np.ndindex(*sizes):
+            tensor[index] = function({d: self.grid.values[d][i] for d, i in zip(dims, index)})
+        tensor = tensor.reshape((*self.grid.broadcast_shape(dims), n))
+        means = np.broadcast_to(np.asarray(mean, dtype=float), (n,)).copy()
+        sds = np.broadcast_to(np.asarray(sd, dtype=float), (n,)).copy()
+        self.blocks.append(Block(dims, tuple(names), tensor, means, sds))
+
+
+def _merged(grid: Grid, blocks: list[Block]) -> list[Block]:
+    """Blocks over a subset of another block's dims folded into it: fewer, larger blocks make fewer
+    pairs of blocks to sum over (the cost of a prediction is per pair, not per feature)."""
+    blocks = sorted(blocks, key=lambda b: -len(b.dims))
+    merged: list[Block] = []
+    for block in blocks:
+        host = next((i for i, m in enumerate(merged) if set(block.dims) <= set(m.dims)), None)
+        if host is None:
+            merged.append(block)
+            continue
+        target = merged[host]
+        shape = target.tensor.shape[:-1]
+        tensor = np.concatenate([target.tensor, np.broadcast_to(block.tensor, (*shape, block.tensor.shape[-1]))], axis=-1)
+        merged[host] = Block(target.dims, target.names + block.names, tensor, np.concatenate([target.prior_mean, block.prior_mean]),
+                             np.concatenate([target.prior_sd, block.prior_sd]))
+    return merged
+
+
+class Surrogate:
+    """Bayesian linear regression over feature blocks, predicting on the whole grid at once."""
+
+    def __init__(self, grid: Grid, blocks: list[Block]) -> None:
+        self.grid = grid
+        self.blocks = blocks = _merged(grid, blocks)
+        sizes = [b.tensor.shape[-1] for b in blocks]
+        self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
+        self.n_features = int(self.offsets[-1])
+        self.prior_mean = np.concatenate([b.prior_mean for b in blocks])
+        self.prior_sd = np.concatenate([b.prior_sd for b in blocks])
+        self.mean = self.prior_mean.copy()
+        self.cov = np.diag(self.prior_sd**2)
+        self._parts32 = [b.tensor.astype(np.float32) for b in blocks]  # grid-wide sums in single precision: half the memory traffic
+        self._plans: dict[tuple[tuple[int, ...], ...], tuple[list[tuple[int, int]], list[int]]] = {}
+
+    def index_of(self, name: str) -> int:
+        """The position of a feature by name."""
+        for block, offset in zip(self.blocks, self.offsets):
+            if name in block.names:
+                return int(offset) + block.names.index(name)
+        raise KeyError(name)
+
+    def features(self, params: TrialParams) -> np.ndarray:
+        """The feature row of one configuration of the grid."""
+        codes = tuple(self.grid._codes[n][getattr(params, n)] for n in self.grid.names)
+        row = []
+        for block in self.blocks:
+            index = tuple(c if block.tensor.shape[i] > 1 else 0 for i, c in enumerate(codes))
+            row.append(block.tensor[index])
+        return np.concatenate(row)
+
+    def fit(self, rows: np.ndarray, targets: np.ndarray, noise_var: np.ndarray) -> None:
+        """Posterior given observations ``targets`` (log samples/s) with per-observation noise variance."""
+        precision = np.diag(1.0 / self.prior_sd**2)
+        rhs = self.prior_mean / self.prior_sd**2
+        if len(targets):
+            weights = 1.0 / noise_var
+            precision = precision + (rows * weights[:, None]).T @ rows
+            rhs = rhs + rows.T @ (weights * targets)
+        chol = np.linalg.cholesky(precision)
+        inverse = np.linalg.inv(chol)
+        self.cov = inverse.T @ inverse
+        self.mean = self.cov @ rhs
+
+    def predict_rows(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        mean = rows @ self.mean
+        var = np.einsum("ij,jk,ik->i", rows, self.cov, rows)
+        return mean, np.sqrt(np.maximum(var, 0.0))
+
+    def predict_grid(self) -> tuple[np.ndarray, np.ndarray]:
+        """Posterior mean and standard deviation of log samples/s at every grid point (grid-shaped).
+
+        Terms are small tensors over a few axes; each is added into a larger one covering its axes
+        (a plan made once per grid), and only the largest are broadcast into the whole grid.
+        """
+        parts = self._parts32
+        spans = [slice(self.offsets[i], self.offsets[i + 1]) for i in range(len(self.blocks))]
+        mean32, cov32 = self.mean.astype(np.float32), self.cov.astype(np.float32)
+        mean_terms = [parts[i] @ mean32[spans[i]] for i in range(len(self.blocks))]
+        var_terms = []
+        for i in range(len(self.blocks)):
+            for j in range(i, len(self.blocks)):
+                term = ((parts[i] @ cov32[spans[i], spans[j]]) * parts[j]).sum(-1)
+                var_terms.append(term if i == j else 2.0 * term)
+        var = self._collapse(var_terms)
+        return self._collapse(mean_terms), np.sqrt(np.maximum(var, 0.0))
+
+    def _collapse(self, terms: list[np.ndarray]) -> np.ndarray:
+        """The sum of broadcastable terms, as float32 over the grid."""
+        shapes = tuple(t.shape for t in terms)
+        plan = self._plans.get(shapes)
+        if plan is None:
+            plan = self._plans[shapes] = _collapse_plan(shapes)
+        hosts, roots = plan
+        terms = list(terms)
+        for source, target in hosts:
+            terms[target] = terms[target] + terms[source]
+        out = np.zeros(self.grid.shape, dtype=np.float32)
+        for root in roots:
+            out += terms[root]
+        return out
+
+
+def _collapse_plan(shapes: tuple[tuple[int, ...], ...]) -> tuple[list[tuple[int, int]], list[int]]:
+    """Which term to add into which (smallest first, into the smallest larger one covering its axes), and which remain."""
+    order = sorted(range(len(shapes)), key=lambda i: int(np.prod(shapes[i])))
+    hosts, roots = [], []
+    for position, i in enumerate(order):
+        host = next((j for j in order[position + 1:] if all(a == b or a == 1 for a, b in zip(shapes[i], shapes[j]))), None)
+        if host is None:
+            roots.append(i)
+        else:
+            hosts.append((i, host))
+    return hosts, roots
+
+
+def normal_cdf(z: np.ndarray) -> np.ndarray:
+    """Standard normal CDF (Abramowitz & Stegun 7.1.26 for erf, absolute error < 1.5e-7)."""
+    x = np.abs(z) / math.sqrt(2.0)
+    t = 1.0 / (1.0 + 0.3275911 * x)
+    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
+    erf = 1.0 - poly * np.exp(-x * x)
+    return 0.5 * (1.0 + np.sign(z) * erf)
+
+
+def normal_pdf(z: np.ndarray) -> np.ndarray:
+    return np.exp(-0.5 * z * z) / math.sqrt(2.0 * math.pi)
+
+
+def expected_improvement(mean: np.ndarray, sd: np.ndarray, best: float | np.ndarray) -> np.ndarray:
+    """E[max(Y - best, 0)] for Y ~ N(mean, sd^2)."""
+    sd = np.maximum(sd, 1e-9)
+    z = (mean - best) / sd
+    return sd * (z * normal_cdf(z) + normal_pdf(z))

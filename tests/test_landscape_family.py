@@ -1,0 +1,114 @@
+"""The family of synthetic landscapes (bench/family.py) and the benchmark's family mode."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from autotune.params import TrialParams
+from autotune.records import ProbeStatus
+from autotune.search.loop import VirtualClock
+from bench.family import HELDOUT_START, OK, FamilyEvaluator, Landscape, draw_shape, outcomes
+from bench.search import main as bench_main
+
+DESIGN = range(0, 200)
+
+
+@pytest.fixture(scope="module")
+def landscape() -> Landscape:
+    return Landscape(3)
+
+
+def test_a_draw_is_a_pure_function_of_its_number() -> None:
+    assert draw_shape(7) == draw_shape(7)
+    assert draw_shape(7) != draw_shape(8)
+    assert draw_shape(HELDOUT_START).draw == HELDOUT_START
+
+
+def test_every_design_draw_has_an_optimum_under_its_ceiling() -> None:
+    # Drawing re-rolls a world whose frugal configurations all fail, so no draw is empty; checked on
+    # the small frugal set here (the whole grid of every draw is what bench.search evaluates).
+    for draw in range(0, 200, 7):
+        _, sps = Landscape(draw).true_best()
+        assert sps > 0
+
+
+def test_the_family_covers_the_worlds_it_promises() -> None:
+    shapes = [draw_shape(d) for d in DESIGN]
+    assert sum(s.pre_ampere for s in shapes) >= 10  # bf16 and flash crash at start-up
+    assert {s.regime for s in shapes} == {"roomy", "medium", "tight"}
+    assert sum(s.batch_peak is not None for s in shapes) >= 30  # throughput falls past a middle batch
+    assert any(("precision", "fp16") in s.diverge_values for s in shapes)
+    assert any(s.diverge_pairs for s in shapes)
+    assert any(s.compile_crash for s in shapes) and any(s.compile_crash_with for s in shapes)
+    gains = [s.compile_speed["inductor"] for s in shapes]
+    assert min(gains) < 0.9 and max(gains) > 1.25  # compile can lose, or win by a quarter
+    assert any(s.compile_speed["inductor:max-autotune"] < s.compile_speed["inductor"] for s in shapes)
+    noises = [s.noise for s in shapes]
+    assert min(noises) >= 0.005 and max(noises) <= 0.03
+
+
+def test_the_grid_evaluation_matches_one_configuration_at_a_time(landscape) -> None:
+    columns, grid = landscape.grid()
+    rng = np.random.default_rng(0)
+    for i in rng.choice(len(grid.status), size=25, replace=False):
+        params = TrialParams.from_dict({n: (columns[n][i].item() if hasattr(columns[n][i], "item") else columns[n][i]) for n in columns})
+        one = landscape.noise_free(params)
+        assert one.status[0] == grid.status[i]
+        assert one.probe_s[0] == pytest.approx(grid.probe_s[i])
+        assert one.peak_bytes[0] == pytest.approx(grid.peak_bytes[i])
+        if grid.status[i] == OK:
+            assert one.samples_per_s[0] == pytest.approx(grid.samples_per_s[i])
+
+
+def test_the_true_best_fits_and_beats_every_other_fitting_configuration(landscape) -> None:
+    best, sps = landscape.true_best()
+    out = landscape.noise_free(best)
+    assert out.status[0] == OK and out.peak_bytes[0] <= landscape.ceiling_bytes
+    _, grid = landscape.grid()
+    fits = (grid.status == OK) & (grid.peak_bytes <= landscape.ceiling_bytes)
+    assert sps == pytest.approx(grid.samples_per_s[fits].max())
+
+
+def test_a_probe_is_charged_to_the_clock_and_its_noise_is_reproducible(landscape) -> None:
+    best, sps = landscape.true_best()
+    first, second = FamilyEvaluator(landscape), FamilyEvaluator(landscape, VirtualClock())
+    a = first.evaluate(best, timeout_s=10_000)
+    assert a.ok and first.clock.now() == pytest.approx(a.wall_s)
+    assert a.samples_per_s == pytest.approx(sps, rel=0.15) and a.samples_per_s != sps  # noisy around the truth
+    assert second.evaluate(best, timeout_s=10_000).samples_per_s == a.samples_per_s  # same draw, same probe: same noise
+    again = first.evaluate(best, timeout_s=10_000)
+    assert again.samples_per_s != a.samples_per_s  # a re-measure draws new noise
+    short = first.evaluate(best, timeout_s=1.0)
+    assert short.status is ProbeStatus.TIMEOUT and first.clock.now() == pytest.approx(2 * a.wall_s + 1.0)
+
+
+def test_failures_cost_what_failing_costs() -> None:
+    shape = next(draw_shape(d) for d in DESIGN if draw_shape(d).pre_ampere)
+    landscape = Landscape(shape)
+    bf16 = TrialParams(precision="bf16", per_device_train_batch_size=1, gradient_checkpointing=True, optim="adafactor")
+    result = FamilyEvaluator(landscape).evaluate(bf16, timeout_s=10_000)
+    assert result.status is ProbeStatus.CRASH
+    assert result.wall_s == pytest.approx(shape.startup_s)  # a crash at start-up costs the start-up
+
+
+def test_loading_in_the_training_process_shows_as_waiting(landscape) -> None:
+    columns = {n: np.array([v]) for n, v in TrialParams(per_device_train_batch_size=8).to_dict().items()}
+    serial = outcomes(landscape.shape, columns)
+    assert serial.input_wait[0] > 0  # 0 workers: every batch is loaded between steps
+    columns["dataloader_num_workers"] = np.array([8])
+    assert outcomes(landscape.shape, columns).input_wait[0] < serial.input_wait[0]
+
+
+def test_family_mode_prints_the_figures_per_strategy_and_budget(capsys) -> None:
+    assert bench_main(["--family", "design", "--draws", "2", "--budgets", "3m", "--strategies", "bayes,random", "--processes", "1"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["family"] == "design" and summary["draws"] == 2
+    for strategy in ("bayes", "random"):
+        figures = summary["strategies"][strategy]["3m"]
+        for key in ("median_ratio", "p5_ratio", "worst_ratio", "oom_probes_total", "returned_over_ceiling"):
+            assert key in figures
+        assert figures["returned_over_ceiling"] == 0
+        assert 0.0 <= figures["worst_ratio"] <= figures["median_ratio"] <= 1.0 + 1e-9
