@@ -91,11 +91,16 @@ class SearchSpace:
             total *= len(self.choices[name])
         return total
 
+    def accumulation_for(self, batch: int) -> int | None:
+        """The accumulation a batch size implies under the fixed effective batch size (None when it is free)."""
+        return self.effective_batch_size // int(batch) if self.effective_batch_size else None
+
     def complete(self, values: dict[str, Any]) -> TrialParams:
         """A point from values of the free parameters (others at their defaults), accumulation derived if fixed."""
         values = dict(values)
-        if self.effective_batch_size:
-            values["gradient_accumulation_steps"] = self.effective_batch_size // values["per_device_train_batch_size"]
+        derived = self.accumulation_for(values["per_device_train_batch_size"]) if self.effective_batch_size else None
+        if derived is not None:
+            values["gradient_accumulation_steps"] = derived
         return TrialParams.from_dict(values)
 
     def with_changes(self, params: TrialParams, **changes: Any) -> TrialParams:

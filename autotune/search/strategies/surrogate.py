@@ -60,9 +60,10 @@ class Grid:
 
     def accumulation(self, batch: Any, accum: Any) -> int:
         """The accumulation of a point (derived from the batch under a fixed effective batch size)."""
-        if ACCUM in self.names or not self.space.effective_batch_size:
+        derived = None if ACCUM in self.names else self.space.accumulation_for(int(batch))
+        if derived is None:
             return int(accum if accum is not None else 1)
-        return int(self.space.effective_batch_size // int(batch))
+        return derived
 
     def broadcast_shape(self, dims: Sequence[str]) -> tuple[int, ...]:
         """The grid's shape with 1 on every axis not in ``dims``."""
