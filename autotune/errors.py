@@ -10,7 +10,8 @@ from __future__ import annotations
 EXIT_USAGE = 2
 EXIT_NOTHING_FITS = 3
 EXIT_NO_RESULT = 4
-EXIT_INTERRUPTED = 130
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: Ctrl-C
+EXIT_TERMINATED = 143  # 128 + SIGTERM: a scheduler (SLURM, Kubernetes) or `kill` stopped the run
 
 
 class AutotuneError(Exception):
@@ -59,3 +60,9 @@ class NoResult(AutotuneError):
 
 class ProbeError(AutotuneError):
     """A probe could not be run at all (as opposed to a probe whose outcome is a failure)."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM received (:func:`autotune.interrupts.sigterm_interrupts`): handled everywhere exactly as
+    Ctrl-C is (the probe in flight is stopped and recorded as interrupted, results and report are
+    written), and the CLI exits with :data:`EXIT_TERMINATED`."""

@@ -88,7 +88,12 @@ def test_the_evaluator_passes_its_uuid_and_mode(monkeypatch) -> None:
     probe = ProbeEvaluator(model=resolve_model("tiny-gptneox").to_dict(), seq_len=32, device="cuda:1", mode="cold",
                            device_uuid=gpu_uuid(0))
     probe.evaluate(TrialParams(per_device_train_batch_size=4), timeout_s=60)
-    assert seen == {"timeout_s": 60, "mode": "cold", "device_uuid": gpu_uuid(0), "device": "cuda:1"}
+    assert seen == {"timeout_s": 60, "mode": "cold", "device_uuid": gpu_uuid(0), "device": "cuda:1", "note": None}
+    # With an owner, each probe's folder gets a note naming its study, trial and configuration.
+    probe.owner_note = {"study": "s", "storage": "x"}
+    probe.label_trial(7)
+    probe.evaluate(TrialParams(per_device_train_batch_size=4), timeout_s=60)
+    assert seen["note"] == {"study": "s", "storage": "x", "trial": 7, "params": TrialParams(per_device_train_batch_size=4).to_dict()}
 
 
 # ---- the probe server's self-test ---------------------------------------------------------------

@@ -7,12 +7,12 @@ same one-method interface, :class:`autotune.search.loop.Evaluator`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from autotune.params import TrialParams
 from autotune.probe.interference import interference
-from autotune.probe.isolation import DEFAULT_MODE, IsolationMode, run_isolated, start_server
+from autotune.probe.isolation import DEFAULT_MODE, IsolationMode, OrphanedProbe, orphaned_probes, run_isolated, start_server
 from autotune.records import ProbeResult, ProbeSpec
 
 # torch.compile compiles on the first step and may recompile on the second (optimizer, grad
@@ -37,6 +37,10 @@ class ProbeEvaluator:
     mode: IsolationMode = DEFAULT_MODE
     # NVML UUID of the GPU (DeviceInfo.uuid), which the child is pinned to; None: resolved from device.
     device_uuid: str | None = None
+    # Which study the probes belong to ({"study": name, "storage": an id}): kept in each probe's folder
+    # with the trial number, so a result finished after this process was killed is recorded later.
+    owner_note: dict[str, Any] | None = None
+    _trial_number: int | None = field(default=None, init=False, repr=False)
 
     def spec_for(self, params: TrialParams) -> ProbeSpec:
         extra = COMPILE_EXTRA_WARMUP_STEPS if params.torch_compile != "off" else 0
@@ -59,7 +63,22 @@ class ProbeEvaluator:
         if self.mode == "forkserver":
             start_server()
 
+    def label_trial(self, number: int) -> None:
+        """The trial the next probe measures (the loop's ``on_start``), for its folder's note."""
+        self._trial_number = number
+
+    def orphaned_results(self) -> list[OrphanedProbe]:
+        """Results of this study's probes that finished after an earlier driver was killed (the caller
+        records each, then discards it); other studies' are left for their own runs."""
+        if self.owner_note is None:
+            return []
+        return [o for o in orphaned_probes() if all(o.note.get(k) == v for k, v in self.owner_note.items())]
+
     def evaluate(self, params: TrialParams, *, timeout_s: float) -> ProbeResult:
         busy = interference(self.device_uuid, cuda=self.device.startswith("cuda"))  # before: our probe is not running yet
-        result = run_isolated(self.spec_for(params), timeout_s=timeout_s, mode=self.mode, device_uuid=self.device_uuid)
+        note = None
+        if self.owner_note is not None:
+            note = {**self.owner_note, "trial": self._trial_number, "params": params.to_dict()}
+        self._trial_number = None
+        result = run_isolated(self.spec_for(params), timeout_s=timeout_s, mode=self.mode, device_uuid=self.device_uuid, note=note)
         return result.replace(interference=busy) if busy else result

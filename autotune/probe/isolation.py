@@ -13,13 +13,20 @@ Two ways to start the child (:data:`IsolationMode`):
   that cannot use the GPU), so when it starts, a first forked child reports what CUDA state it
   inherited (:func:`check_server`); a server that is not clean is not used: every probe of the
   process then starts cold, with one warning.
-* ``cold`` (``--isolation cold``): ``python -m autotune.probe.child SPEC.json RESULT.json``, a new
+* ``cold`` (``--isolation cold``): ``python -m autotune.probe SPEC.json RESULT.json``, a new
   interpreter per probe.
 
 Either way the child gets its own session (``setsid``), writes its stdout/stderr to a file (the
 tail is the error of a crash), and writes a :class:`ProbeResult` as JSON; the parent adds
 ``wall_s`` and ``overhead_s``. On a GPU the child sees exactly one device, the one the parent
 resolved (:func:`autotune.probe.device.detect_device`), by its NVML UUID (:func:`child_env`).
+
+No probe process outlives the run (:mod:`autotune.probe.lifetime`): the server and each child die
+with their parent even when it is killed with ``kill -9``, and each child has its own deadline. A
+probe's folder (spec, result, output, scratch) is named after the driver's pid
+(``autotune-probe-<pid>-*`` in the temporary directory) and removed when the probe ends; one left by
+a driver that was killed is found by :func:`orphaned_probes` on the next run, which records a result
+the probe finished after its driver died and removes the folder.
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ import json
 import logging
 import multiprocessing
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -41,6 +50,9 @@ from multiprocessing import spawn
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+import psutil
+
+from autotune.probe.lifetime import DEADLINE_ENV, DRIVER_PID_ENV, arm_deadline, die_with_parent
 from autotune.records import ProbeResult, ProbeSpec, ProbeStatus
 
 IsolationMode = Literal["forkserver", "cold"]
@@ -84,11 +96,26 @@ def _killpg(pid: int) -> None:
         pass
 
 
+def _kill_tree(pid: int) -> None:
+    """Kill the probe ``pid`` (the leader of its own session), its session, and every descendant
+    psutil still finds, including any that moved to a session of their own (a DataLoader worker's
+    helper, a compile worker pool)."""
+    try:
+        descendants = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:  # already gone (its orphans, if any, are still in its session)
+        descendants = []
+    _killpg(pid)
+    for process in descendants:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+    psutil.wait_procs(descendants, timeout=5)
+
+
 class _ColdChild:
     def __init__(self, spec_path: Path, result_path: Path, log_path: Path, env: dict[str, str], python: str) -> None:
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [python, "-m", "autotune.probe.child", str(spec_path), str(result_path)],
+                [python, "-m", "autotune.probe", str(spec_path), str(result_path)],
                 stdout=log,
                 stderr=log,
                 stdin=subprocess.DEVNULL,
@@ -104,7 +131,7 @@ class _ColdChild:
             return None
 
     def kill_group(self) -> None:
-        _killpg(self.pid)
+        _kill_tree(self.pid)
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
@@ -122,13 +149,17 @@ def _set_environ(env: dict[str, str]) -> None:
 def enter_probe_process(log_path: str, env: dict[str, str]) -> None:
     """First thing in a child forked from the probe server: its own session (so its whole group can be
     killed), its output to ``log_path``, and exactly the probes' environment, before anything
-    initialises CUDA (``CUDA_VISIBLE_DEVICES`` pins the GPU)."""
+    initialises CUDA (``CUDA_VISIBLE_DEVICES`` pins the GPU); then it dies with the server (which
+    dies with the driver) and keeps its own deadline (:mod:`autotune.probe.lifetime`)."""
     os.setsid()
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
     _set_environ(env)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # the server ignores it; a probe need not
+    die_with_parent()
+    arm_deadline()
 
 
 def _forked_main(spec_path: str, result_path: str, log_path: str, env: dict[str, str]) -> None:
@@ -277,7 +308,7 @@ class _ForkedChild:
         return self.process.exitcode
 
     def kill_group(self) -> None:
-        _killpg(self.pid)  # the child's session: it and its DataLoader workers
+        _kill_tree(self.pid)  # the child's session: it and its DataLoader workers
         if self.process.exitcode is None:
             self.process.kill()  # killed before it called setsid
         self.process.join()
@@ -350,6 +381,66 @@ def fixed_overhead_s(result: ProbeResult) -> float | None:
     return max(result.wall_s - (result.model_build_s or 0.0) - (result.warmup_s or 0.0) - window_s, 0.0)
 
 
+PROBE_DIR_PREFIX = "autotune-probe-"  # + "<driver pid>-<random>", in the temporary directory
+NOTE_FILE = "note.json"  # what the driver wants to know about a probe it could not wait for
+_PROBE_DIR = re.compile(re.escape(PROBE_DIR_PREFIX) + r"(\d+)-")
+STALE_PROBE_DIR_S = 7 * 24 * 3600.0  # an orphaned result nobody came back for is removed after this
+
+
+@contextlib.contextmanager
+def _probe_folder(note: dict[str, Any] | None, root: str | None = None) -> Iterator[Path]:
+    """The probe's folder, named after this process; removed afterwards (a ``kill -9`` leaves it, for
+    :func:`orphaned_probes`). ``note`` (JSON) is written into it for whoever finds it orphaned."""
+    folder = Path(tempfile.mkdtemp(prefix=f"{PROBE_DIR_PREFIX}{os.getpid()}-", dir=root))
+    try:
+        if note is not None:
+            (folder / NOTE_FILE).write_text(json.dumps(note), encoding="utf-8")
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class OrphanedProbe:
+    """A probe whose driver died before it could record the result: the driver's note and the result."""
+
+    folder: Path
+    note: dict[str, Any]
+    result: ProbeResult
+
+    def discard(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def orphaned_probes(root: str | None = None) -> list[OrphanedProbe]:
+    """Clean up the probe folders of drivers that are gone, and return the finished results among them.
+
+    A folder whose driver's pid is dead and that holds no result, or that is older than
+    :data:`STALE_PROBE_DIR_S`, is removed. A folder with a note and a result is returned (oldest first)
+    for the caller to record in the note's study and then :meth:`~OrphanedProbe.discard`; a caller
+    that does not own the note's study leaves it for the run that does.
+    """
+    base = Path(root or tempfile.gettempdir())
+    found: list[OrphanedProbe] = []
+    now_s = time.time()
+    for folder in sorted(base.glob(PROBE_DIR_PREFIX + "*"), key=lambda p: p.stat().st_mtime if p.exists() else 0.0):
+        match = _PROBE_DIR.match(folder.name)
+        if match is None or not folder.is_dir() or int(match.group(1)) == os.getpid() or psutil.pid_exists(int(match.group(1))):
+            continue
+        note_path, result_path = folder / NOTE_FILE, folder / "result.json"
+        try:
+            stale = now_s - folder.stat().st_mtime > STALE_PROBE_DIR_S
+            if stale or not (note_path.exists() and result_path.exists()):
+                raise ValueError("nothing to recover")
+            note = json.loads(note_path.read_text(encoding="utf-8"))
+            result = ProbeResult.from_dict(json.loads(result_path.read_text(encoding="utf-8")))
+        except (OSError, ValueError, TypeError):  # no result, unreadable or stale: nothing to keep
+            shutil.rmtree(folder, ignore_errors=True)
+            continue
+        found.append(OrphanedProbe(folder, dict(note), result))
+    return found
+
+
 def run_isolated(
     spec: ProbeSpec,
     *,
@@ -357,6 +448,7 @@ def run_isolated(
     python: str = sys.executable,
     mode: IsolationMode = DEFAULT_MODE,
     device_uuid: str | None = None,
+    note: dict[str, Any] | None = None,
 ) -> ProbeResult:
     """Run ``spec`` in a new process and return its result; never raises for a failed probe.
 
@@ -368,6 +460,8 @@ def run_isolated(
             self-test) or ``cold`` (a new interpreter).
         device_uuid: the NVML UUID of the GPU to run on (:attr:`DeviceInfo.uuid`); None: resolved
             from ``spec.device`` (``cuda:N`` as this process sees it).
+        note: JSON kept in the probe's folder (the study and trial it belongs to), for the run that
+            finds the folder orphaned (:func:`orphaned_probes`) after this process was killed.
 
     Returns:
         The child's :class:`ProbeResult` with ``wall_s`` and ``overhead_s`` set; ``timeout`` if the
@@ -381,13 +475,13 @@ def run_isolated(
     child_spec = spec
     if spec.device.startswith("cuda:"):
         child_spec = dataclasses.replace(spec, device="cuda")  # the one GPU the child sees
-    with tempfile.TemporaryDirectory(prefix="autotune-probe-") as tmp:
-        folder = Path(tmp)
+    with _probe_folder(note) as folder:
         spec_path, result_path, log_path = folder / "spec.json", folder / "result.json", folder / "output.txt"
         spec_path.write_text(child_spec.to_json(), encoding="utf-8")
         # The child's scratch (the Trainer's output_dir) goes inside this folder, which is removed here
-        # even when the child is killed before it can remove its own.
-        env = {**env, SCRATCH_ENV: str(folder)}
+        # even when the child is killed before it can remove its own. The child knows the driver (to die
+        # with it) and its own deadline.
+        env = {**env, SCRATCH_ENV: str(folder), DRIVER_PID_ENV: str(os.getpid()), DEADLINE_ENV: f"{timeout_s:.0f}"}
         if mode == "forkserver" and not start_server():  # once per process; not charged to this trial
             mode = "cold"
         start_s = time.monotonic()

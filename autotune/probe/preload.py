@@ -6,9 +6,20 @@ is started fresh by ``multiprocessing`` (never forked from the parent, which may
 anything), so it is CUDA-clean; each probe forked from it initialises CUDA itself.
 """
 
+# ruff: noqa: E402 - the statements before the heavy imports must run before them
 from __future__ import annotations
 
 import os
+import signal
+
+from autotune.probe.lifetime import die_with_parent
+
+# First, before the slow imports: Ctrl-C belongs to the driver, which stops the probes it started
+# (the server shares the driver's process group, so the terminal's SIGINT reaches it too, and an
+# interrupted import would print a traceback); and the server dies with the driver, even kill -9'd.
+# multiprocessing's forkserver ignores SIGINT itself, but only once its preload has finished.
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+die_with_parent()
 
 # Read at import time by the libraries below, so they are set here, in the server, before them.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
