@@ -14,10 +14,21 @@ from tests.report_studies import make_study
 
 
 def test_cpu_load_above_the_core_count_is_busy() -> None:
-    assert busy.cpu_busy_reason((100, 1000), (280, 1200), cores=2) == "CPU 90% busy on 2 cores"
-    assert busy.cpu_busy_reason((100, 1000), (150, 1200), cores=2) is None
-    assert busy.cpu_load_reason(3.2, 2) == "load 3.2 on 2 cores"  # where /proc/stat is missing
-    assert busy.cpu_load_reason(1.9, 2) is None
+    assert busy.cpu_busy_reason(90.0, cores=2) == "CPU 90% busy on 2 cores"
+    assert busy.cpu_busy_reason(25.0, cores=2) is None
+
+
+def test_the_cpu_check_measures_a_window(monkeypatch) -> None:
+    windows = []
+
+    def cpu_percent(interval):  # type: ignore[no-untyped-def]
+        windows.append(interval)
+        return 75.0
+
+    monkeypatch.setattr(busy.psutil, "cpu_percent", cpu_percent)
+    monkeypatch.setattr(busy.psutil, "cpu_count", lambda: 4)
+    assert busy.interference(None, cuda=False) == "CPU 75% busy on 4 cores"
+    assert windows == [busy.CPU_WINDOW_S]  # a fresh window, not psutil's reading since its last call
 
 
 def test_other_gpu_processes_or_utilisation_are_busy() -> None:

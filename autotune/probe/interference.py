@@ -8,16 +8,17 @@ with the trial and shown in the terminal and the report:
   children excepted: none runs between two probes) and its utilisation; NVML only, so the parent
   still never creates a CUDA context;
 * on the CPU, how busy the cores are over a short window while this run is idle between probes
-  (``/proc/stat``): more than half of them busy is a load above what we leave free. The 1-minute
-  load average is the fallback where ``/proc/stat`` is missing; it lags by a minute and still
-  counts our own previous probe, so it is not the first choice.
+  (psutil's ``cpu_percent``, iowait counted as idle): more than half of them busy is a load above
+  what we leave free. Not the load average: it lags by a minute and still counts our own previous
+  probe.
 """
 
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
+
+import psutil
 
 # Utilisation of the GPU while no probe of ours runs: above this, someone else is computing on it.
 BUSY_GPU_UTIL_PCT = 10.0
@@ -31,43 +32,12 @@ def interference(device_uuid: str | None, *, cuda: bool) -> str | None:
 
 
 def _cpu_interference() -> str | None:
-    cores = os.cpu_count() or 1
-    before = _cpu_times()
-    if before is not None:
-        time.sleep(CPU_WINDOW_S)
-        after = _cpu_times()
-        if after is not None:
-            return cpu_busy_reason(before, after, cores)
-    try:
-        load_1m = os.getloadavg()[0]
-    except OSError:  # not every platform has a load average
-        return None
-    return cpu_load_reason(load_1m, cores)
+    return cpu_busy_reason(psutil.cpu_percent(interval=CPU_WINDOW_S), psutil.cpu_count() or 1)
 
 
-def _cpu_times() -> tuple[int, int] | None:
-    """(busy, total) jiffies of all cores from /proc/stat's first line; None off Linux."""
-    try:
-        with open("/proc/stat", encoding="ascii") as handle:
-            fields = [int(v) for v in handle.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-    return sum(fields) - idle, sum(fields)
-
-
-def cpu_busy_reason(before: tuple[int, int], after: tuple[int, int], cores: int) -> str | None:
-    """``CPU 87% busy on 2 cores`` when more than half of the cores were busy between two readings."""
-    total = after[1] - before[1]
-    if total <= 0:
-        return None
-    busy = (after[0] - before[0]) / total
-    return f"CPU {100 * busy:.0f}% busy on {cores} cores" if busy > BUSY_CPU_FRACTION else None
-
-
-def cpu_load_reason(load_1m: float, cores: int) -> str | None:
-    """``load 3.2 on 2 cores`` when the 1-minute load average is above the core count."""
-    return f"load {load_1m:.1f} on {cores} cores" if load_1m > cores else None
+def cpu_busy_reason(busy_pct: float, cores: int) -> str | None:
+    """``CPU 87% busy on 2 cores`` when more than half of all cores' time was busy."""
+    return f"CPU {busy_pct:.0f}% busy on {cores} cores" if busy_pct > 100 * BUSY_CPU_FRACTION else None
 
 
 def _gpu_interference(device_uuid: str | None) -> str | None:

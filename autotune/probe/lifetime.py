@@ -26,21 +26,13 @@ import sys
 import threading
 import time
 
+import psutil
+
 DRIVER_PID_ENV = "AUTOTUNE_DRIVER_PID"  # the pid of the process that runs the search
 DEADLINE_ENV = "AUTOTUNE_PROBE_DEADLINE_S"  # a probe's own deadline, seconds from its start
 DEADLINE_GRACE_S = 30.0  # past the parent's deadline: the parent normally kills the probe first
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _POLL_S = 1.0
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def die_with_parent() -> None:
@@ -61,7 +53,7 @@ def die_with_parent() -> None:
         threading.Thread(target=watch, name="autotune-parent-watch", daemon=True).start()
     driver = os.environ.get(DRIVER_PID_ENV, "")
     # The parent may have died before the death signal was armed (its pid then changed to a reaper's).
-    if os.getppid() != parent_pid or (driver.isdigit() and not _pid_alive(int(driver))):
+    if os.getppid() != parent_pid or (driver.isdigit() and not psutil.pid_exists(int(driver))):
         os._exit(1)
 
 
