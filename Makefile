@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint install browser clean wheelhouse gpu-check
+.PHONY: demo test lint install browser postgres clean wheelhouse gpu-check
 
 install: $(STAMP)
 
@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/autotune run --space quick --seq-len 128 --budget 3m --output best.json
 
-test: $(STAMP) browser lint
+test: $(STAMP) browser postgres lint
 	$(PY) -m pytest
 
 # ruff over the code, the tests and the benchmarks; mypy over the search package (its imports are
@@ -42,6 +42,19 @@ browser:
 			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; \
 		else \
 			echo "chromium/chromedriver missing and not root: the browser test will skip (or fail under CI=true)"; \
+		fi; \
+	fi
+
+# The storage tests run studies through a throwaway PostgreSQL server (tests/conftest.py: postgres_url,
+# started as the postgres user on 127.0.0.1). CI runs as root on Debian, so install Debian's postgresql there
+# when it is missing (elsewhere those tests skip without it, and fail under CI=true).
+postgres:
+	@if ! ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1; then \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+			echo "installing postgresql for the storage tests"; \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null; \
+		else \
+			echo "postgresql missing and not root: the PostgreSQL storage tests will skip (or fail under CI=true)"; \
 		fi; \
 	fi
 

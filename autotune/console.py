@@ -17,6 +17,7 @@ from autotune.params import TrialParams
 from autotune.records import ProbeStatus
 from autotune.results import TuneResult
 from autotune.search.loop import TrialRecord
+from autotune.storage import describe as describe_storage
 from autotune.units import format_bytes, format_duration
 
 
@@ -111,7 +112,7 @@ def print_header(console: Console, plan: Any, resumed: int) -> None:
         + (f", resuming {resumed} finished trials" if resumed else ""),
         soft_wrap=True,
     )
-    console.print(f"study '{plan.study_name}' in {plan.storage}", style="dim")
+    console.print(f"study '{plan.study_name}' in {describe_storage(plan.storage)}", style="dim")
     for dropped in plan.space.dropped:
         console.print(f"  dropped {dropped}", style="yellow")
     if plan.space.effective_batch_size:

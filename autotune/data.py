@@ -14,6 +14,7 @@ checked by :func:`validate_dataset` in the parent, before any study exists.
 from __future__ import annotations
 
 import csv
+import io
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -60,21 +61,27 @@ def read_texts(path: str | Path, text_column: str = DEFAULT_TEXT_COLUMN) -> list
             f"--dataset {path} has an unknown extension {path.suffix!r}: use one of {', '.join(sorted(FORMATS))}"
         )
     if kind == "text":
-        texts = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
+        texts = [line.strip() for line in _read_text(path).splitlines()]
     elif kind == "jsonl":
         texts = _column(_jsonl_rows(path), text_column, path)
     elif kind == "csv":
-        with open(path, newline="", encoding="utf-8") as handle:
-            reader = csv.DictReader(handle)
+        reader = csv.DictReader(io.StringIO(_read_text(path), newline=""))
+        try:
             if text_column not in (reader.fieldnames or []):
                 raise _missing_column(path, text_column, reader.fieldnames or [])
             texts = [row[text_column] or "" for row in reader]
+        except csv.Error as exc:  # a field over the csv module's limit, an unclosed quote at the end...
+            raise UsageError(f"--dataset {path} line {reader.line_num} is not CSV ({exc}): give a CSV file with a header row") from None
     else:
         try:
             import pyarrow.parquet as pq
         except ImportError:
             raise UsageError(f"--dataset {path} is Parquet, which needs pyarrow: pip install pyarrow") from None
-        table = pq.read_table(path)
+        try:
+            table = pq.read_table(path)
+        except (OSError, ValueError) as exc:  # pyarrow.ArrowInvalid is a ValueError: not Parquet, or a damaged file
+            first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+            raise UsageError(f"--dataset {path} is not a readable Parquet file ({first}): give a Parquet file, or a .jsonl/.csv/.txt one") from None
         if text_column not in table.column_names:
             raise _missing_column(path, text_column, table.column_names)
         texts = [str(value) if value is not None else "" for value in table.column(text_column).to_pylist()]
@@ -84,9 +91,29 @@ def read_texts(path: str | Path, text_column: str = DEFAULT_TEXT_COLUMN) -> list
     return texts
 
 
+_SNIFF_BYTES = 1 << 16  # a NUL byte in the first 64 KiB: a binary file, whatever its extension says
+
+
+def _read_text(path: Path) -> str:
+    """The file as text (UTF-8, a byte-order mark dropped).
+
+    Raises:
+        UsageError: for a binary file (NUL bytes: an archive, a model, UTF-16 text) or one that is not UTF-8.
+    """
+    data = path.read_bytes()
+    fix = f"give a UTF-8 text file ({', '.join(sorted(k for k, v in FORMATS.items() if v != 'parquet'))}), or re-save it as UTF-8"
+    if b"\x00" in data[:_SNIFF_BYTES]:
+        raise UsageError(f"--dataset {path} is a binary file, not text (it holds NUL bytes): {fix}")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise UsageError(f"--dataset {path} is not UTF-8 text (line {line}, byte {exc.start}: {exc.reason}): {fix}") from None
+
+
 def _jsonl_rows(path: Path) -> list[dict[str, Any]]:
     rows = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for number, line in enumerate(_read_text(path).splitlines(), 1):
         if not line.strip():
             continue
         try:

@@ -244,7 +244,7 @@ class TuneResult:
     """What a tuning run found. ``trials`` has one row per trial (see :func:`trials_frame`)."""
 
     study_name: str
-    storage: str
+    storage: Any  # the storage string, or the Optuna storage object tune() was given (autotune.storage.describe shows it)
     trials: pd.DataFrame
     settings: dict[str, Any] = field(default_factory=dict)
     stopped_because: str | None = None
@@ -433,11 +433,15 @@ def _py(value: Any) -> Any:
     return value
 
 
-def load_result(study_name: str, storage: str, *, stopped_because: str | None = None) -> TuneResult:
+def load_result(study_name: str, storage: Any, *, stopped_because: str | None = None) -> TuneResult:
     """Rebuild a :class:`TuneResult` from the storage (the study may still be running).
 
+    ``storage``: a storage string (``sqlite:///...``, ``postgresql://...``, ``journal:///...``) or an
+    Optuna storage object; it is kept as given in :attr:`TuneResult.storage`.
+
     Raises:
-        UsageError: bad storage, or no such study (the message lists the ones there are).
+        UsageError: bad storage, no such study (the message lists the ones there are), or a study
+            that autotune did not make.
     """
     study = studies.load_existing(study_name, storage)
     settings = studies.settings_of(study)
@@ -461,16 +465,23 @@ class StudyRow:
     counts: dict[str, int]
     best_samples_per_s: float | None
     best_config: str
+    foreign: bool = False  # made by plain Optuna (or another tool): listed, never read as autotune's
 
 
-def list_studies(storage: str) -> list[StudyRow]:
-    """Every study in ``storage`` with its trial counts and best fitting speed.
+def list_studies(storage: Any) -> list[StudyRow]:
+    """Every study in ``storage`` with its trial counts and best fitting speed (a study autotune did
+    not make is listed as ``foreign``, with its trial count only).
 
     Raises:
         UsageError: bad storage.
     """
     rows = []
-    for name in studies.study_names(storage):
+    for stored in studies.stored_studies(storage):
+        name = stored.name
+        if not stored.ours:
+            rows.append(StudyRow(name=name, model="-", device="-", n_trials=stored.n_trials, counts={}, best_samples_per_s=None,
+                                 best_config="-", foreign=True))
+            continue
         result = load_result(name, storage)
         settings = result.settings
         best = result.best

@@ -24,7 +24,7 @@ def parse_duration_s(text: str | float | int) -> float:
     if isinstance(text, (int, float)):
         seconds = float(text)
     else:
-        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*", str(text).lower())
+        match = re.fullmatch(r"\s*(-?\d+(?:\.\d+)?)\s*([smh]?)\s*", str(text).lower())  # a sign: "-5m" must be positive
         if not match:
             raise BudgetError(f"cannot read duration {text!r}: write a number with s, m or h, e.g. 90s, 30m, 2h")
         seconds = float(match.group(1)) * _DURATION_UNITS_S[match.group(2) or "s"]
@@ -43,7 +43,7 @@ def parse_bytes(text: str | int, *, total_bytes: int | None = None) -> int:
         value = text
     else:
         raw = str(text).strip().lower().replace(" ", "")
-        match = re.fullmatch(r"(\d+(?:\.\d+)?)([a-z]*)", raw)
+        match = re.fullmatch(r"(-?\d+(?:\.\d+)?)([a-z]*)", raw)  # a sign: "-4GiB" must be positive
         if not match or (match.group(2) and match.group(2) not in _BYTE_UNITS):
             raise BudgetError(
                 f"cannot read memory size {text!r}: write e.g. 40GiB, 16GB, 512MiB, or a fraction like 0.9"

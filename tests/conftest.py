@@ -1,9 +1,18 @@
-"""Shared fixtures: a fake evaluator that stands in for the GPU, and CPU-only test settings."""
+"""Shared fixtures: a fake evaluator that stands in for the GPU, CPU-only test settings, and a
+throwaway PostgreSQL server (``postgres_url``)."""
 
 from __future__ import annotations
 
+import glob
 import os
+import re
+import shutil
+import socket
+import subprocess
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
@@ -96,3 +105,107 @@ def fake_gpu() -> DeviceInfo:
 @pytest.fixture
 def cpu_device() -> DeviceInfo:
     return DeviceInfo(kind="cpu", name="CPU: test", total_memory_bytes=24 * GiB)
+
+
+# ---------------------------------------------------------------------------------------- PostgreSQL
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def skip_or_fail(message: str) -> None:
+    """Skip a test whose tool is missing, except under CI=true, where it fails (as the browser test does)."""
+    if in_ci():
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+def _postgres_bin() -> Path | None:
+    """The newest PostgreSQL server binaries: Debian's /usr/lib/postgresql/<version>/bin, else pg_ctl on PATH."""
+    candidates = [Path(d) for d in glob.glob("/usr/lib/postgresql/*/bin") if (Path(d) / "initdb").exists() and (Path(d) / "pg_ctl").exists()]
+    candidates.sort(key=lambda d: [int(x) for x in re.findall(r"\d+", d.parent.name)] or [0])
+    if candidates:
+        return candidates[-1]
+    found = shutil.which("pg_ctl")
+    return Path(found).resolve().parent if found and (Path(found).resolve().parent / "initdb").exists() else None
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> Iterator[str]:
+    """A throwaway PostgreSQL server for the session: ``postgresql://postgres@127.0.0.1:PORT/autotune_test``.
+
+    ``initdb`` into a temporary folder (trust authentication, only this cluster), ``pg_ctl start``
+    listening on 127.0.0.1 only, on a free port; stopped and removed afterwards. PostgreSQL refuses
+    to run as root, so as root the server runs as the ``postgres`` user that Debian's package
+    creates. Without PostgreSQL (``make test`` installs it as root) the tests that use it skip, and
+    fail under CI=true. Tests share the server: use study names (or :func:`postgres_database`) of their own.
+    """
+    bindir = _postgres_bin()
+    if bindir is None:
+        skip_or_fail("PostgreSQL not found (/usr/lib/postgresql/*/bin): apt-get install -y postgresql (make test does it as root)")
+    try:
+        import psycopg  # noqa: F401
+    except ImportError:
+        skip_or_fail("psycopg is missing: pip install -e '.[test]'")
+    prefix: list[str] = []
+    base = Path(tempfile.mkdtemp(prefix="autotune-pg-"))  # not under pytest's root-only basetemp: the server's user reaches it
+    if os.geteuid() == 0:
+        import pwd
+
+        try:
+            user = pwd.getpwnam("postgres")
+        except KeyError:
+            shutil.rmtree(base, ignore_errors=True)
+            skip_or_fail("no postgres user to run PostgreSQL as (it refuses root): apt-get install -y postgresql creates it")
+        runuser = shutil.which("runuser")
+        if runuser is None:
+            shutil.rmtree(base, ignore_errors=True)
+            skip_or_fail("runuser (util-linux) is missing: it starts PostgreSQL as the postgres user")
+        os.chown(base, user.pw_uid, user.pw_gid)
+        prefix = [runuser, "-u", "postgres", "--"]
+    data, log = base / "data", base / "server.log"
+
+    def run(*command: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*prefix, *command], capture_output=True, text=True, timeout=120, cwd=base)
+
+    started = False
+    try:
+        init = run(str(bindir / "initdb"), "-D", str(data), "-U", "postgres", "-A", "trust", "-E", "UTF8", "--locale=C", "--no-sync")
+        if init.returncode != 0:
+            skip_or_fail(f"initdb failed: {(init.stderr or init.stdout).strip().splitlines()[-1:]}")
+        for _attempt in range(3):  # a free port can be taken between the check and the start
+            port = _free_port()
+            options = f"-c listen_addresses=127.0.0.1 -p {port} -k {base} -c fsync=off -c synchronous_commit=off -c full_page_writes=off"
+            start = run(str(bindir / "pg_ctl"), "-D", str(data), "-l", str(log), "-o", options, "-w", "-t", "60", "start")
+            if start.returncode == 0:
+                started = True
+                break
+        if not started:
+            tail = log.read_text(errors="replace").strip().splitlines()[-3:] if log.exists() else start.stderr.strip().splitlines()[-3:]
+            skip_or_fail(f"PostgreSQL did not start: {' | '.join(tail)}")
+        created = run(str(bindir / "createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", "postgres", "autotune_test")
+        if created.returncode != 0:
+            skip_or_fail(f"createdb failed: {created.stderr.strip()}")
+        yield f"postgresql://postgres@127.0.0.1:{port}/autotune_test"
+    finally:
+        if started:
+            run(str(bindir / "pg_ctl"), "-D", str(data), "-m", "immediate", "-w", "stop")
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture
+def postgres_database(postgres_url: str, request: pytest.FixtureRequest) -> str:
+    """A fresh, empty database on the session's server, for one test: its URL."""
+    import psycopg
+
+    name = "t_" + re.sub(r"[^a-z0-9]+", "_", request.node.name.lower())[:40] + f"_{os.getpid()}_{_free_port()}"
+    with psycopg.connect(postgres_url, autocommit=True) as connection:
+        connection.execute(f'CREATE DATABASE "{name}"')
+    return postgres_url.rsplit("/", 1)[0] + "/" + name

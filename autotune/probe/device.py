@@ -292,10 +292,14 @@ def detect_device(requested: str = "auto") -> DeviceInfo:
     """
     from autotune.errors import DeviceError
 
+    if not isinstance(requested, str):
+        raise DeviceError(f"device {requested!r} is not a device name: use 'auto', 'cuda', 'cuda:N' or 'cpu'")
     if requested == "cpu":
         return _cpu_info()
-    match = re.fullmatch(r"cuda(?::(\d+))?", requested)
+    match = re.fullmatch(r"cuda(?::([0-9]+))?", requested)  # ASCII digits only: int() would take any Unicode digit
     if requested != "auto" and match is None:
+        if requested.lower().startswith(("cuda:", "gpu:")):
+            raise DeviceError(f"unknown device {requested!r} (after cuda: comes a GPU number, e.g. cuda:0): use auto, cuda, cuda:N or cpu")
         raise DeviceError(f"unknown device {requested!r}: use auto, cuda, cuda:N or cpu")
     position = int(match.group(1)) if match is not None and match.group(1) else 0
     info = _nvml_info(position)
@@ -332,17 +336,16 @@ def _nvml_gpu_count() -> int:
 
 
 def cpu_peak_rss_bytes() -> int:
-    """Peak resident set size of this process (Linux reports KiB)."""
+    """Peak resident set size of this process (Linux reports KiB). getrusage, not psutil: psutil has
+    no portable peak (its ``peak_wset`` is Windows-only)."""
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 def cpu_current_rss_bytes() -> int:
     """Current resident set size of this process."""
-    try:
-        with open("/proc/self/statm", encoding="ascii") as handle:
-            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return cpu_peak_rss_bytes()
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
 
 
 # Text of RuntimeErrors that mean the GPU ran out of memory. cuBLAS and cuDNN report a failed

@@ -16,6 +16,7 @@ from typing import Any
 
 import pandas as pd
 
+import autotune.storage as storage_lib
 from autotune.errors import NothingFits
 from autotune.params import PARAM_NAMES, fp32_matmul_setting
 from autotune.records import ProbeStatus
@@ -432,8 +433,11 @@ def _best_metrics(best: pd.Series | None) -> tuple[tuple[str, str], ...]:
 
 def _regenerate_command(result: TuneResult) -> str:
     words = ["autotune", "report", result.study_name]
-    if result.storage != DEFAULT_STORAGE:
-        words += ["--storage", result.storage]
+    option = storage_lib.as_cli_option(result.storage)  # None: an Optuna storage object, which the CLI cannot name
+    if option is None:
+        return f"autotune.load_result({result.study_name!r}, <the same {type(result.storage).__name__}>)"
+    if option != DEFAULT_STORAGE:
+        words += ["--storage", option]
     return shlex.join(words)
 
 
@@ -525,6 +529,6 @@ def build_report_model(result: TuneResult) -> ReportModel:
         problems=_problems(trials) if not trials.empty else (),
         n_trials=len(trials),
         dropped=dropped,
-        generated_note=f"study {result.study_name!r} in {result.storage}",
+        generated_note=f"study {result.study_name!r} in {storage_lib.describe(result.storage)}",
         regenerate_command=_regenerate_command(result),
     )

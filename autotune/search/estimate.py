@@ -8,11 +8,12 @@ counted on the meta device, nothing is allocated.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from dataclasses import dataclass
 from typing import Any
 
 from autotune.errors import UsageError
-from autotune.params import TrialParams
+from autotune.params import ATTN_IMPLEMENTATIONS, TrialParams
 from autotune.search.memory import MemoryModel, ModelDims, activation_bytes_per_sample, static_memory
 
 
@@ -56,10 +57,15 @@ def estimate_table(
     """Predicted memory per precision x optimizer x checkpointing of ``space``, and the largest batch that fits.
 
     Raises:
-        UsageError: an unknown model or space, or a sequence length outside the model's range.
+        UsageError: an unknown model, space or attention implementation, or a sequence length outside the model's range.
     """
     from autotune.models import resolve_model
     from autotune.space import load_space
+
+    if attn_implementation not in ATTN_IMPLEMENTATIONS:
+        close = difflib.get_close_matches(str(attn_implementation), ATTN_IMPLEMENTATIONS, n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        raise UsageError(f"--attn {attn_implementation!r} is not an attention implementation: {hint}use one of {', '.join(ATTN_IMPLEMENTATIONS)}")
 
     spec = resolve_model(model)
     if seq_len <= 0 or seq_len > spec.max_positions:

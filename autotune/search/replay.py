@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -109,11 +110,17 @@ def load_table(path: str | Path) -> ReplayTable:
     name = path.name.removesuffix(".gz").removesuffix(".csv")
     try:
         frame = pd.read_csv(path, dtype={n: str for n in _STR_PARAMS + ("status",)}, keep_default_na=False, na_values=[""])
-    except (pd.errors.ParserError, UnicodeDecodeError, EOFError, OSError) as exc:
-        raise ReplayTableError(f"cannot read replay table {path} ({str(exc).splitlines()[0]}): write a CSV with a header row") from None
+    except pd.errors.EmptyDataError:
+        raise ReplayTableError(f"replay table {path} is empty: write a CSV with a header row ({', '.join(REQUIRED_COLUMNS)}) "
+                               "and one row per configuration (bench/landscape.py makes one)") from None
+    except (pd.errors.ParserError, UnicodeDecodeError, EOFError, OSError, zlib.error) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ReplayTableError(f"cannot read replay table {path} ({reason}): write a CSV with a header row") from None
     missing = [c for c in REQUIRED_COLUMNS if c not in frame.columns]
     if missing:
         raise ReplayTableError(f"replay table {path}: missing column {missing[0]!r} (a table needs {', '.join(REQUIRED_COLUMNS)})")
+    if frame.empty:
+        raise ReplayTableError(f"replay table {path} has a header but no rows: add one row per configuration (bench/landscape.py makes a table)")
     _check_rows(frame, path)
     frame["gradient_checkpointing"] = frame["gradient_checkpointing"].map(_to_bool)
     for column in _INT_PARAMS:
