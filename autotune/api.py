@@ -346,6 +346,7 @@ def plan_evaluator(plan: RunPlan) -> Evaluator:
         dataset=plan.dataset.to_dict() if plan.dataset else None,
         mode=ISOLATION_MODES[plan.isolation],
         device_uuid=plan.device.uuid if plan.device.is_cuda else None,
+        owner_note={"study": plan.study_name, "storage": storage_id(plan.storage)},
     )
 
 
@@ -372,21 +373,83 @@ def execute(
     prepare = getattr(evaluator, "prepare", None)
     if prepare is not None:
         prepare()  # the probe server's start, inside the budget rather than after it
+    recover_orphans(study, evaluator, plan.memory_ceiling_bytes)
+    label_trial = getattr(evaluator, "label_trial", None)
+
+    def started(number: int, params: TrialParams) -> None:
+        if label_trial is not None:
+            label_trial(number)  # the probe's folder names its trial, should this process be killed
+        if on_start:
+            on_start(number, params)
+
     outcome = run_search(
-        study, plan.space, evaluator, settings, baseline=plan.baseline, on_trial=on_trial, on_start=on_start,
+        study, plan.space, evaluator, settings, baseline=plan.baseline, on_trial=on_trial, on_start=started,
         strategy=make_strategy(plan.strategy), memory=memory, started_s=started_s,
     )
     studies.record_stop(study, outcome.stopped_because)
     return outcome
 
 
+def recover_orphans(study: optuna.Study, evaluator: Evaluator, ceiling_bytes: int) -> int:
+    """Record the results this study's probes finished after an earlier run was killed (their folders
+    outlive a ``kill -9``; see :func:`autotune.probe.isolation.orphaned_probes`); returns how many."""
+    found = getattr(evaluator, "orphaned_results", None)
+    recorded = 0
+    for orphan in found() if found is not None else []:
+        number, params = orphan.note.get("trial"), orphan.note.get("params")
+        if isinstance(number, int) and isinstance(params, dict):
+            recorded += studies.record_recovered(study, number, TrialParams.from_dict(params), orphan.result, ceiling_bytes) is not None
+        orphan.discard()
+    return recorded
+
+
+def storage_id(storage: Any) -> str:
+    """A short, stable name of a storage that does not reveal it (a URL may hold a password)."""
+    return hashlib.sha1(str(storage).encode()).hexdigest()[:12]
+
+
 @dataclass(frozen=True)
 class RunOutcome:
-    """What :func:`run_plan` did: the result, how the search went, and where the report is."""
+    """What :func:`run_plan` did: the result, how the search went, and where the report and best.json are.
+
+    ``report_error``: why the report could not be written (the result and the study do not depend on it).
+    """
 
     result: TuneResult
     search: SearchOutcome
     report_path: Path | None
+    best_json_path: Path | None = None
+    report_error: str | None = None
+
+
+def check_writable_dir(path: str | Path, flag: str) -> None:
+    """Fail now, before any probe, if ``path`` cannot hold the files a run writes at its end.
+
+    Raises:
+        UsageError: ``path`` is a file, or it (or the folder it would be made in) is not writable.
+    """
+    folder = Path(path)
+    if folder.exists() and not folder.is_dir():
+        raise UsageError(f"{flag} {folder} is a file, not a folder: pass another {flag} or move the file away")
+    existing = folder
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {folder}: {existing} is not writable: pass a {flag} you can write to")
+
+
+def check_writable_file(path: str | Path, flag: str) -> None:
+    """Like :func:`check_writable_dir`, for a file to be written at the end of the run.
+
+    Raises:
+        UsageError: ``path`` is a folder, or cannot be written.
+    """
+    target = Path(path)
+    if target.is_dir():
+        raise UsageError(f"{flag} {target} is a directory: give a file name like best.json")
+    if target.exists() and not os.access(target, os.W_OK):
+        raise UsageError(f"{flag} {target} is not writable: pass another {flag}")
+    check_writable_dir(target.parent if str(target.parent) else ".", flag)
 
 
 def finished_trials(study: optuna.Study) -> int:
@@ -406,6 +469,7 @@ def run_plan(
     on_trial: Callable[[TrialRecord], None] | None = None,
     report_dir: str | Path | None = "reports",
     command: str | None = None,
+    best_json: str | Path | None = None,
 ) -> RunOutcome:
     """Open the plan's study, run the search, write the report: the one path of ``autotune run`` and :func:`tune`.
 
@@ -417,12 +481,19 @@ def run_plan(
         on_trial: called after each finished trial.
         report_dir: where ``<study>.html`` is written (None: no report).
         command: the command line to record in the study, for the report.
+        best_json: write the best configuration's TrainingArguments JSON here (before the report).
 
-    Ctrl-C during the search stops it cleanly (the run's result and report are written and
-    :attr:`SearchOutcome.stopped_because` is ``"interrupted"``); Ctrl-C outside a probe writes the
-    report of what was measured and re-raises.
+    Ctrl-C (or SIGTERM, under :func:`autotune.interrupts.sigterm_interrupts`) during the search stops
+    it cleanly (the run's result and report are written and :attr:`SearchOutcome.stopped_because` is
+    ``"interrupted"``); Ctrl-C outside a probe writes best.json and the report of what was measured
+    and re-raises. The study and best.json never depend on the report: a report that cannot be
+    written is a warning (:attr:`RunOutcome.report_error`).
     """
     started_s = time.monotonic()  # the budget is the whole run's wall time: set-up included
+    if report_dir is not None:
+        check_writable_dir(report_dir, "--report-dir")
+    if best_json is not None:
+        check_writable_file(best_json, "--output")
     study = open_study(plan, command)
     if on_open:
         on_open(plan, finished_trials(study))
@@ -430,19 +501,28 @@ def run_plan(
     try:
         outcome = execute(plan, study, evaluator or plan_evaluator(plan), on_trial=on_trial, on_start=on_start, started_s=started_s)
     except KeyboardInterrupt:
-        if report_path is not None:
-            _write_report(load_result(plan.study_name, plan.storage, stopped_because="interrupted"), report_path)
+        _write_outputs(load_result(plan.study_name, plan.storage, stopped_because="interrupted"), report_path, best_json)
         raise
     result = load_result(plan.study_name, plan.storage, stopped_because=outcome.stopped_because)
-    if report_path is not None:
-        _write_report(result, report_path)
-    return RunOutcome(result=result, search=outcome, report_path=report_path)
+    best_json_path, report_error = _write_outputs(result, report_path, best_json)
+    return RunOutcome(result=result, search=outcome, report_path=None if report_error else report_path,
+                      best_json_path=best_json_path, report_error=report_error)
 
 
-def _write_report(result: TuneResult, path: Path) -> None:
+def _write_outputs(result: TuneResult, report_path: Path | None, best_json: str | Path | None) -> tuple[Path | None, str | None]:
+    """best.json first (the result a user acts on), then the report; a report that cannot be written
+    is returned as a one-line reason, never raised. Returns best.json's path and that reason."""
+    best_json_path = result.write_best_json(best_json) if best_json is not None and result.best is not None else None
+    if report_path is None:
+        return best_json_path, None
     from autotune.report.html import write_report
 
-    write_report(result, path)
+    try:
+        write_report(result, report_path)
+    except OSError as exc:  # a full disk, a folder made read-only during the run: the study has everything
+        return best_json_path, f"the report could not be written to {report_path} ({exc.strerror or exc}); " \
+            f"`autotune report {result.study_name}` writes it again"
+    return best_json_path, None
 
 
 def user_dir() -> Path:
@@ -521,6 +601,8 @@ def tune(
         done = run_plan(plan, evaluator=evaluator, on_open=lambda p, resumed: print_header(console, p, resumed),
                         on_start=live.on_start, on_trial=trial_done, report_dir=report_dir, command=command)  # type: ignore[arg-type]
     print_summary(console, done.result)
-    if done.report_path is not None:
+    if done.report_error:
+        console.print(f"warning: {done.report_error}", style="yellow")
+    elif done.report_path is not None:
         console.print(f"report: {done.report_path}")
     return done.result

@@ -13,7 +13,8 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from autotune.errors import EXIT_INTERRUPTED, AutotuneError, UsageError
+from autotune.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, AutotuneError, Terminated, UsageError
+from autotune.interrupts import received_sigterm, sigterm_interrupts
 from autotune.version import __version__
 
 # Usage examples live beside each command, as data.
@@ -114,24 +115,21 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     from autotune.api import RunOptions, plan_run, run_plan
     from autotune.console import LiveProgress, print_header, print_summary
-    from autotune.errors import NothingFits
-    from autotune.results import nothing_fits_message
+    from autotune.results import no_result_error
 
     console = Console(highlight=False)
     if not console.is_terminal:  # logs and CI: wide enough for the ranked table
         console = Console(highlight=False, width=180)
     options = RunOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(RunOptions)})
     plan = plan_run(options)
-    if args.output and Path(args.output).is_dir():
-        raise UsageError(f"--output {args.output} is a directory: give a file name like best.json")
     command = shlex.join(["autotune", *sys.argv[1:]]) if sys.argv[1:2] == ["run"] else None
     live = LiveProgress(console, budget_s=plan.settings.budget_s, n_trials=plan.settings.n_trials,
                         ceiling_bytes=plan.memory_ceiling_bytes)
     try:
         with live:
             done = run_plan(plan, on_open=lambda p, resumed: print_header(console, p, resumed), on_start=live.on_start,
-                            on_trial=live.on_trial, report_dir=args.report_dir, command=command)
-    except KeyboardInterrupt:  # outside a probe (inside one the loop stops cleanly): the report is written
+                            on_trial=live.on_trial, report_dir=args.report_dir, command=command, best_json=args.output)
+    except KeyboardInterrupt:  # outside a probe (inside one the loop stops cleanly): best.json and the report are written
         console.print(f"interrupted; report: {Path(args.report_dir) / (plan.study_name + '.html')}")
         raise
     result = done.result
@@ -140,12 +138,17 @@ def cmd_run(args: argparse.Namespace) -> int:
         console.print(f"{pruned} configuration{'s' if pruned != 1 else ''} pruned without running (the memory model ruled "
                       f"{'them' if pruned != 1 else 'it'} out)", style="dim")
     print_summary(console, result)
-    console.print(f"report: {done.report_path}")
+    if done.report_error:
+        console.print(f"warning: {done.report_error}", style="yellow")
+    else:
+        console.print(f"report: {done.report_path}")
+    if done.best_json_path is not None:
+        console.print(f"best configuration written to {done.best_json_path}")
+    if done.search.stopped_because == "interrupted":  # stopped by the user or a scheduler, whatever was found
+        return EXIT_TERMINATED if received_sigterm() else EXIT_INTERRUPTED
     if result.best is None:
-        raise NothingFits(nothing_fits_message(result))
-    if args.output:
-        console.print(f"best configuration written to {result.write_best_json(args.output)}")
-    return EXIT_INTERRUPTED if done.search.stopped_because == "interrupted" else 0
+        raise no_result_error(result)  # nothing fits (exit 3), or no probe finished (exit 4)
+    return 0
 
 
 def _add_estimate(sub: argparse._SubParsersAction) -> None:
@@ -161,7 +164,8 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN, help=f"tokens per sample (default: {DEFAULT_SEQ_LEN})")
     p.add_argument("--device-memory", default="80GiB", help="memory the batch must fit in (default: 80GiB)")
     p.add_argument("--space", default="default", help="space whose precisions, optimizers and batch sizes to tabulate (default: default)")
-    p.add_argument("--attn", default="sdpa", help="attention implementation assumed (default: sdpa)")
+    p.add_argument("--attn", default="sdpa", help="attention implementation assumed: eager, sdpa, flash_attention_2, flash_attention_3 "
+                   "or flex_attention (default: sdpa)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(func=cmd_estimate)
 
@@ -292,7 +296,8 @@ def _add_study_command(sub: argparse._SubParsersAction, name: str, help_text: st
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     if name != "list":
         p.add_argument("study", metavar="STUDY", help="study name (see `autotune list`)")
-    p.add_argument("--storage", default=DEFAULT_STORAGE, help=f"Optuna storage URL (default: {DEFAULT_STORAGE})")
+    p.add_argument("--storage", default=DEFAULT_STORAGE,
+                   help=f"sqlite:///FILE, postgresql://user@host/db, journal:///FILE.log or another Optuna storage URL (default: {DEFAULT_STORAGE})")
     return p
 
 
@@ -342,14 +347,18 @@ def _add_list(sub: argparse._SubParsersAction) -> None:
 
 def cmd_list(args: argparse.Namespace) -> int:
     from autotune.results import list_studies
+    from autotune.storage import describe
 
     rows = list_studies(args.storage)
     if not rows:
-        print(f"no studies in {args.storage}: run `autotune run` first")
+        print(f"no studies in {describe(args.storage)}: run `autotune run` first")
         return 0
     width = max(len("study"), *(len(r.name) for r in rows))
     print(f"{'study':<{width}}  {'best samples/s':>14}  {'trials':>6}  outcomes / best configuration / device")
     for r in rows:
+        if r.foreign:
+            print(f"{r.name:<{width}}  {'-':>14}  {r.n_trials:>6}  not made by autotune (a plain Optuna study): open it with optuna-dashboard")
+            continue
         best = f"{r.best_samples_per_s:,.1f}" if r.best_samples_per_s is not None else "-"
         counts = ", ".join(f"{n} {s}" for s, n in sorted(r.counts.items())) or "no trials"
         print(f"{r.name:<{width}}  {best:>14}  {r.n_trials:>6}  {counts} / {r.best_config} / {r.model} on {r.device}")
@@ -387,18 +396,62 @@ EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a tool whose r
 # One table: exception type -> (exit code, message prefix). AutotuneError carries its own code.
 ERROR_TABLE: list[tuple[type[BaseException], Callable[[BaseException], tuple[int, str]]]] = [
     (AutotuneError, lambda e: (e.exit_code, str(e))),  # type: ignore[attr-defined]
-    (KeyboardInterrupt, lambda e: (EXIT_INTERRUPTED, "interrupted")),
+    (Terminated, lambda e: (EXIT_TERMINATED, "terminated (SIGTERM); what was measured is kept: run the same command to resume")),
+    (KeyboardInterrupt, lambda e: (EXIT_INTERRUPTED, "interrupted; what was measured is kept: run the same command to resume")),
 ]
+
+
+def attach_dash_values(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]:
+    """``--budget -5m`` -> ``--budget=-5m`` (``-o -x`` -> ``-o-x``) for every option that takes a value.
+
+    argparse reads a word starting with '-' after such an option as another option and answers
+    "expected one argument"; attached, the value reaches the option's own parser, whose message
+    names the fix ("duration '-5m' must be positive"). A following word that is itself an option of
+    the command (``--study --storage x``: a forgotten value) is left alone, and so is all after ``--``.
+    """
+    def options(p: argparse.ArgumentParser) -> tuple[set[str], set[str], dict[str, argparse.ArgumentParser]]:
+        known, valued, commands = set(), set(), {}
+        for action in p._actions:
+            known.update(action.option_strings)
+            if action.option_strings and action.nargs is None:
+                valued.update(action.option_strings)
+            if isinstance(action, argparse._SubParsersAction):
+                commands.update(action.choices)
+        return known, valued, commands
+
+    known, valued, commands = options(parser)
+    out: list[str] = []
+    words = list(argv)
+    i = 0
+    while i < len(words):
+        word = words[i]
+        if word == "--":
+            out.extend(words[i:])
+            break
+        if word in commands:
+            known, valued, commands = options(commands[word])
+        elif word in valued and i + 1 < len(words):
+            value = words[i + 1]
+            if value.startswith("-") and value != "-" and value != "--" and value.split("=", 1)[0] not in known:
+                out.append(f"{word}={value}" if word.startswith("--") else f"{word}{value}")
+            else:
+                out.extend((word, value))
+            i += 2
+            continue
+        out.append(word)
+        i += 1
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(attach_dash_values(parser, sys.argv[1:] if argv is None else argv))
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
     try:
-        code = int(args.func(args) or 0)
+        with sigterm_interrupts():  # a scheduler's SIGTERM stops the run as Ctrl-C does (exit 143)
+            code = int(args.func(args) or 0)
         sys.stdout.flush()  # a closed pipe shows here, not at exit
         return code
     except BrokenPipeError:

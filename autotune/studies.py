@@ -15,22 +15,25 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import fcntl
 import os
 import socket
+import threading
+import time
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
+import autotune.storage as storage_lib
 from autotune.errors import UsageError
 from autotune.params import TrialParams
 from autotune.records import Probe, ProbeResult, ProbeStatus
+from autotune.storage import DEFAULT_STORAGE as DEFAULT_STORAGE  # re-exported: the CLI, the API and the report read it here
 
-DEFAULT_STORAGE = "sqlite:///autotune.db"
 STUDY_ATTR = "autotune"  # study user attribute holding the run's settings (model, device, space, run log)
 
 # Trial user attributes.
@@ -39,11 +42,16 @@ ATTR_RESULT = "result"  # ProbeResult.to_dict()
 ATTR_STATUS = "status"  # a ProbeStatus value
 ATTR_REASON = "reason"  # why it was pruned, failed or is over the ceiling
 ATTR_ROLE = "role"  # ROLE_BASELINE for the trial of transformers' defaults
-ATTR_DUPLICATE_OF = "duplicate_of"  # the sampler proposed a measured configuration: its outcome repeated, not run
+ATTR_DUPLICATE_OF = "duplicate_of"  # not run: a measured configuration's outcome repeated, or the trial holding it (see hold)
 ATTR_REMEASURE_OF = "remeasure_of"  # a near-tie probed again: the number of the configuration's first trial
 ATTR_OWNER = "owner"  # "host:pid" of the run that asked the trial, to fail it if that run died
 ATTR_PREDICTED_PEAK = "predicted_peak_mem_bytes"  # the memory model's prediction when the trial was asked
 ATTR_REUSABLE = "reusable"  # False: a later run must not reuse this outcome (cut by the budget, interrupted, pruned)
+ATTR_HEARTBEAT = "heartbeat_unix_s"  # while RUNNING: when its worker last said it is alive (time.time())
+ATTR_DIED = "died"  # how the process running it died (killed, or its worker went silent): see retry_candidates
+ATTR_RETRY_OF = "retry_of"  # probes again the configuration of this trial, whose process died
+ATTR_REMEASURE_ROUND = "remeasure_round"  # a re-measure: which probe of the configuration it is (2, 3)
+STUDY_DEADLINE_ATTR = "deadline_unix_s"  # study user attribute: when the workers' shared budget ends (time.time())
 ROLE_BASELINE = "baseline"
 
 CONSTRAINT_MEMORY = "memory"  # (peak - ceiling) / ceiling: feasible when <= 0
@@ -62,46 +70,98 @@ _FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 
 
 @contextlib.contextmanager
-def storage_errors(storage: str) -> Iterator[None]:
-    """Turn an unusable storage URL or an unreachable database into a one-line :class:`UsageError`."""
+def storage_errors(storage: Any) -> Iterator[None]:
+    """Turn an unusable storage, an unreachable server or a damaged file met while Optuna works into a
+    one-line :class:`UsageError` (most are caught before, by :func:`autotune.storage.check`)."""
+    shown = storage_lib.describe(storage)
     try:
         yield
-    except (ValueError, ImportError) as exc:
-        raise UsageError(f"cannot open storage {storage!r} ({exc}): use e.g. {DEFAULT_STORAGE}") from None
-    except Exception as exc:  # sqlalchemy raises its own tree for bad URLs and unreachable servers
+    except (ValueError, ImportError) as exc:  # a damaged journal line is a UnicodeDecodeError or JSONDecodeError
+        raise UsageError(f"cannot open storage {shown!r} ({_first_line(exc)}): use e.g. {storage_lib.EXAMPLES}") from None
+    except optuna.exceptions.StorageInternalError as exc:  # a commit failed: a read-only database, a full disk
+        cause = _first_line(exc.__cause__) if exc.__cause__ is not None else _first_line(exc)
+        raise UsageError(f"cannot write to storage {shown!r} ({cause}): check that its file and folder are writable") from None
+    except Exception as exc:  # sqlalchemy raises its own tree for bad URLs, unreachable servers and damaged files
         if type(exc).__module__.startswith("sqlalchemy"):
-            raise UsageError(f"cannot open storage {storage!r} ({type(exc).__name__}): use e.g. {DEFAULT_STORAGE}") from None
+            raise UsageError(
+                f"cannot open storage {shown!r} ({type(exc).__name__}: {_first_line(getattr(exc, 'orig', None) or exc)}): "
+                "check that the server is running and the host, port, user and database in the URL, or use e.g. " + DEFAULT_STORAGE
+            ) from None
         raise
 
 
-def study_names(storage: str) -> list[str]:
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    line = text.splitlines()[0] if text else type(exc).__name__
+    return line[:200]
+
+
+def _summaries(storage: Any) -> list[optuna.study.StudySummary]:
+    """Every study's summary (name, user attributes, trial count); ``storage`` as :func:`storage_lib.to_optuna` gives it."""
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    with storage_errors(storage):
+        return optuna.get_all_study_summaries(storage, include_best_trial=False)
+
+
+def study_names(storage: Any) -> list[str]:
     """The study names in ``storage``; nothing is created.
 
     Raises:
-        UsageError: if the storage URL is unusable, or names an sqlite file that does not exist.
+        UsageError: if the storage is unusable, or names an SQLite or journal file that does not exist.
     """
-    if storage.startswith("sqlite:///"):
-        path = storage[len("sqlite:///"):]
-        if path and path != ":memory:" and not Path(path).exists():
-            raise UsageError(f"no database file {path} (from --storage {storage}): pass the --storage that `autotune run` used")
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    with storage_errors(storage):
-        return [s.study_name for s in optuna.get_all_study_summaries(storage)]
+    return [s.study_name for s in _summaries(storage_lib.to_optuna(storage, write=False))]
 
 
-def load_existing(study_name: str, storage: str) -> optuna.Study:
-    """An existing study, read-only use (``report``, ``export``, ``list``): never creates one.
+@dataclass(frozen=True)
+class StoredStudy:
+    """A study in a storage: its name, whether autotune made it (it holds the settings), its trial count."""
+
+    name: str
+    ours: bool
+    n_trials: int
+
+
+def stored_studies(storage: Any) -> list[StoredStudy]:
+    """Every study in ``storage``, autotune's or not; nothing is created.
 
     Raises:
-        UsageError: bad storage, or no such study (the message lists the ones there are).
+        UsageError: as :func:`study_names`.
     """
-    names = study_names(storage)
-    if study_name not in names:
+    return [StoredStudy(s.study_name, STUDY_ATTR in s.user_attrs, s.n_trials) for s in _summaries(storage_lib.to_optuna(storage, write=False))]
+
+
+def foreign_error(study_name: str, storage: Any, n_trials: int, *, others: Sequence[str] = ()) -> UsageError:
+    """The one-line answer for a study that plain Optuna (or another tool) made: autotune neither reads nor writes it."""
+    shown = storage_lib.describe(storage)
+    trials = f"{n_trials} trial{'s' if n_trials != 1 else ''}"
+    where = f"name one of autotune's studies ({', '.join(others)})" if others else "pass --study NEW_NAME for a study of autotune's own"
+    return UsageError(
+        f"study {study_name!r} in {shown} was not made by autotune (it has {trials} and no {STUDY_ATTR!r} settings): "
+        f"{where}, or open it with optuna-dashboard"
+    )
+
+
+def load_existing(study_name: str, storage: Any) -> optuna.Study:
+    """An existing study that autotune made, for read-only use (``report``, ``export``, ``list``): never creates one.
+
+    Raises:
+        UsageError: bad storage, no such study (the message lists the ones there are), or a study
+            that autotune did not make.
+    """
+    opened = storage_lib.to_optuna(storage, write=False)
+    summaries = _summaries(opened)
+    summary = next((s for s in summaries if s.study_name == study_name), None)
+    ours = [s.study_name for s in summaries if STUDY_ATTR in s.user_attrs]
+    if summary is None:
+        names = [s.study_name for s in summaries]
         raise UsageError(
-            f"no study {study_name!r} in {storage}: use one of {', '.join(names) or '(none yet)'} or run `autotune run` first"
+            f"no study {study_name!r} in {storage_lib.describe(storage)}: use one of {', '.join(names) or '(none yet)'} "
+            "or run `autotune run` first"
         )
+    if STUDY_ATTR not in summary.user_attrs:
+        raise foreign_error(study_name, storage, summary.n_trials, others=ours)
     with storage_errors(storage):
-        return optuna.load_study(study_name=study_name, storage=storage)
+        return optuna.load_study(study_name=study_name, storage=opened)
 
 
 def settings_of(study: optuna.Study) -> dict[str, Any]:
@@ -110,7 +170,7 @@ def settings_of(study: optuna.Study) -> dict[str, Any]:
 
 
 def open_or_create(
-    storage: str,
+    storage: Any,
     study_name: str,
     settings: dict[str, Any],
     *,
@@ -122,29 +182,39 @@ def open_or_create(
     """Create the study with ``settings``, or resume it when its stored settings agree on ``must_match``.
 
     The memory ceiling may change between runs (the stored one is updated); this run is appended
-    to the run log either way.
+    to the run log either way. Everything is checked before anything is written: the storage
+    (:func:`autotune.storage.check`: driver, file, folder), and an existing study of that name must
+    be autotune's (an empty maximising one, as ``optuna create-study`` leaves it, is adopted).
 
     Raises:
-        UsageError: if the storage is unusable or the existing study was made for another setup.
+        UsageError: if the storage is unusable, the existing study was made for another setup, or by
+            another tool.
     """
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    opened = storage_lib.to_optuna(storage, write=True)
+    summary = next((s for s in _summaries(opened) if s.study_name == study_name), None)
+    if summary is not None and STUDY_ATTR not in summary.user_attrs and (
+        summary.n_trials or summary.directions != [optuna.study.StudyDirection.MAXIMIZE]
+    ):
+        raise foreign_error(study_name, storage, summary.n_trials)
     with storage_errors(storage):
         study = optuna.create_study(
-            study_name=study_name, storage=storage, direction="maximize", sampler=sampler, load_if_exists=True
+            study_name=study_name, storage=opened, direction="maximize", sampler=sampler, load_if_exists=True
         )
     existing = study.user_attrs.get(STUDY_ATTR)
     if existing is not None:
         clash = mismatch(existing, settings, must_match)
         if clash is not None:
             raise UsageError(f"study {study_name!r} {clash}: pass --study NEW_NAME to start a new one, or repeat the original options to resume it")
-    if existing is None:
-        study.set_user_attr(STUDY_ATTR, settings)
-        with warnings.catch_warnings():  # "experimental" since Optuna 3.2, and what the dashboard reads
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            study.set_metric_names([METRIC_NAME])
-    elif existing.get("memory_ceiling_bytes") != settings["memory_ceiling_bytes"]:
+    with storage_errors(storage):
+        if existing is None:
+            study.set_user_attr(STUDY_ATTR, settings)
+            with warnings.catch_warnings():  # "experimental" since Optuna 3.2, and what the dashboard reads
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                study.set_metric_names([METRIC_NAME])
+        elif existing.get("memory_ceiling_bytes") != settings["memory_ceiling_bytes"]:
             study.set_user_attr(STUDY_ATTR, {**existing, "memory_ceiling_bytes": settings["memory_ceiling_bytes"]})
-    _log_run(study, budget_s, n_trials)
+        _log_run(study, budget_s, n_trials)
     return study
 
 
@@ -159,16 +229,20 @@ def mismatch(existing: dict[str, Any], settings: dict[str, Any], must_match: Seq
     return None
 
 
-def existing_settings(storage: str, study_name: str) -> dict[str, Any] | None:
+def existing_settings(storage: Any, study_name: str) -> dict[str, Any] | None:
     """The stored settings of study ``study_name`` (empty for a study autotune did not make), or
-    None when there is no such study. Nothing is created, not even an SQLite file."""
-    if storage.startswith("sqlite:///"):
-        path = storage[len("sqlite:///"):]
-        if path != ":memory:" and not Path(path).exists():
-            return None
-    if study_name not in study_names(storage):
+    None when there is no such study. Nothing is created, not even an SQLite or journal file; the
+    storage is checked as for a run (:func:`autotune.storage.check` with ``write``), so a storage a
+    run cannot use fails here, while the run is still being planned.
+
+    Raises:
+        UsageError: a storage that a run cannot use.
+    """
+    storage_lib.check(storage, write=True)
+    if not storage_lib.exists(storage):
         return None
-    return settings_of(load_existing(study_name, storage))
+    summary = next((s for s in _summaries(storage_lib.to_optuna(storage, write=False)) if s.study_name == study_name), None)
+    return None if summary is None else dict(summary.user_attrs.get(STUDY_ATTR, {}))
 
 
 def _log_run(study: optuna.Study, budget_s: float | None, n_trials: int | None) -> None:
@@ -199,16 +273,59 @@ def last_stop(settings: dict[str, Any]) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------- reading
+#
+# Several workers (processes, machines) may search one study at once; the study is their only shared
+# state. Each iteration a worker reads the trials once (read_trials) and derives from that list what
+# it needs: the probes others finished (probes_in), their reusable outcomes (reusable_in), what is in
+# flight (in_flight), dead trials (dead_trials) and configurations to probe again (retry_candidates).
+#
+# Claims. A configuration is claimed by a trial carrying its ATTR_PARAMS: a strategy's proposal is
+# created with them in one storage call (claim), a sampler's trial gets them right after suggest
+# (record_params). Trial creation is serialised per study on every Optuna storage (RDB: the study
+# row is locked FOR UPDATE and SQLite has one writer; a journal: the log order), so trial numbers
+# order the claims: the lowest-numbered live claim (RUNNING, or finished and reusable) of a
+# configuration holds it (holder), and any other trial of it does not probe (hold). Re-measures
+# (remeasure_of) are deliberate and claim (configuration, round) instead.
+#
+# Dead workers. Optuna's own heartbeat (RDBStorage(heartbeat_interval=...), fail_stale_trials,
+# RetryFailedTrialCallback) exists only for RDB storages: JournalStorage implements no BaseHeartbeat
+# (Optuna 5.0). So one mechanism of ours serves every storage, modelled on Optuna's: a worker
+# refreshes ATTR_HEARTBEAT on its RUNNING trial while it probes (Heartbeat); any worker fails a
+# RUNNING trial whose heartbeat (or start) is older than the grace, on any host, or whose owner
+# process on this host is gone (fail_dead_trials); like RetryFailedTrialCallback's retry history,
+# the configuration of a trial that died (so, or because its probe process was killed) is probed
+# once more (retry_of) and a second death is final.
+
+HEARTBEAT_INTERVAL_S = 10.0  # a probing worker refreshes its trial's heartbeat this often
+HEARTBEAT_GRACE_S = 60.0  # a RUNNING trial with no heartbeat for this long has lost its worker
+CLAIM_SETTLE_S = 2.0  # the longest a claim waits for an older trial that is still being given its configuration
+_KILLED_PREFIXES = ("probe process killed by SIGKILL", "probe process killed by SIGTERM")  # autotune.probe.isolation
+
+
+def read_trials(study: optuna.Study) -> list[FrozenTrial]:
+    """Every trial of the study, read once: what one iteration of the loop syncs from."""
+    return study.get_trials(deepcopy=False)
+
+
+def config_key(trial: FrozenTrial) -> tuple[Any, ...] | None:
+    """The configuration a trial claims or measured (None while a sampler's trial has none yet)."""
+    params = trial.user_attrs.get(ATTR_PARAMS)
+    return TrialParams.from_dict(params).key() if params else None
+
+
+def probes_in(trials: Sequence[FrozenTrial]) -> list[Probe]:
+    """The finished trials that ran a probe (repeats, held and pruned trials excluded), oldest first."""
+    probes = []
+    for trial in sorted(trials, key=lambda t: t.number):
+        attrs = trial.user_attrs
+        if trial.state in _FINISHED and ATTR_RESULT in attrs and ATTR_PARAMS in attrs and ATTR_DUPLICATE_OF not in attrs:
+            probes.append(Probe(trial.number, TrialParams.from_dict(attrs[ATTR_PARAMS]), ProbeResult.from_dict(attrs[ATTR_RESULT])))
+    return probes
 
 
 def stored_probes(study: optuna.Study) -> list[Probe]:
     """The finished trials that ran a probe (repeats and pruned trials excluded), oldest first."""
-    probes = []
-    for trial in study.get_trials(deepcopy=False, states=_FINISHED):
-        attrs = trial.user_attrs
-        if ATTR_RESULT in attrs and ATTR_PARAMS in attrs and ATTR_DUPLICATE_OF not in attrs:
-            probes.append(Probe(trial.number, TrialParams.from_dict(attrs[ATTR_PARAMS]), ProbeResult.from_dict(attrs[ATTR_RESULT])))
-    return probes
+    return probes_in(study.get_trials(deepcopy=False, states=_FINISHED))
 
 
 @dataclass(frozen=True)
@@ -228,27 +345,128 @@ def _outcome(trial: FrozenTrial) -> StoredOutcome:
     return StoredOutcome(trial.number, trial.state, value, attrs, trial.constraints.get(CONSTRAINT_MEMORY))
 
 
-def reusable_outcomes(study: optuna.Study) -> dict[tuple[Any, ...], StoredOutcome]:
-    """Finished, reusable trials by configuration key (interrupted or cut-short ones are not reusable)."""
+def _reusable(trial: FrozenTrial) -> bool:
+    return trial.state in _FINISHED and ATTR_PARAMS in trial.user_attrs and trial.user_attrs.get(ATTR_REUSABLE) is not False
+
+
+def reusable_in(trials: Sequence[FrozenTrial]) -> dict[tuple[Any, ...], StoredOutcome]:
+    """Finished, reusable trials by configuration key, the oldest of each (interrupted, cut-short,
+    pruned, held and first-death trials are not reusable)."""
     seen: dict[tuple[Any, ...], StoredOutcome] = {}
-    for trial in study.get_trials(deepcopy=False, states=_FINISHED):
-        if ATTR_PARAMS not in trial.user_attrs or trial.user_attrs.get(ATTR_REUSABLE) is False:
-            continue
-        seen.setdefault(TrialParams.from_dict(trial.user_attrs[ATTR_PARAMS]).key(), _outcome(trial))
+    for trial in sorted(trials, key=lambda t: t.number):
+        if _reusable(trial):
+            seen.setdefault(TrialParams.from_dict(trial.user_attrs[ATTR_PARAMS]).key(), _outcome(trial))
     return seen
 
 
-def has_waiting(study: optuna.Study) -> bool:
-    """Whether an enqueued trial is waiting to be asked (the baseline, a fresh point after a repeat)."""
-    return any(True for _ in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
+def reusable_outcomes(study: optuna.Study) -> dict[tuple[Any, ...], StoredOutcome]:
+    """Finished, reusable trials by configuration key (interrupted or cut-short ones are not reusable)."""
+    return reusable_in(study.get_trials(deepcopy=False, states=_FINISHED))
+
+
+def pruned_in(trials: Sequence[FrozenTrial], from_number: int) -> dict[tuple[Any, ...], StoredOutcome]:
+    """Configurations pruned (not run) by trials numbered ``from_number`` or later: decided during this run."""
+    pruned: dict[tuple[Any, ...], StoredOutcome] = {}
+    for trial in trials:
+        if trial.number >= from_number and trial.state == TrialState.PRUNED and trial.user_attrs.get(ATTR_STATUS) == ProbeStatus.PRUNED.value:
+            key = config_key(trial)
+            if key is not None:
+                pruned.setdefault(key, _outcome(trial))
+    return pruned
+
+
+def in_flight(trials: Sequence[FrozenTrial]) -> set[tuple[Any, ...]]:
+    """The configurations of RUNNING trials (being probed, or about to be, somewhere)."""
+    return {key for t in trials if t.state == TrialState.RUNNING and (key := config_key(t)) is not None}
+
+
+def has_waiting(trials: Sequence[FrozenTrial]) -> bool:
+    """Whether an enqueued trial is waiting to be asked (``enqueue_trial`` by hand, or an older autotune)."""
+    return any(t.state == TrialState.WAITING for t in trials)
+
+
+def _live(trial: FrozenTrial) -> bool:
+    """It holds its configuration: queued, running, or finished with an outcome a later trial may reuse."""
+    return trial.state in (TrialState.WAITING, TrialState.RUNNING) or _reusable(trial)
+
+
+def baseline_settled(trials: Sequence[FrozenTrial]) -> bool:
+    """A baseline trial is queued, running, or finished for good (one that never finished, was cut
+    short, or whose process died for the first time is run again)."""
+    return any(is_baseline(t) and _live(t) for t in trials)
 
 
 def has_baseline(study: optuna.Study) -> bool:
-    return any(t.user_attrs.get(ATTR_ROLE) == ROLE_BASELINE for t in study.get_trials(deepcopy=False))
+    """Whether the study's baseline is queued, running or finished for good (see :func:`baseline_settled`)."""
+    return baseline_settled(study.get_trials(deepcopy=False))
 
 
 def is_baseline(trial: optuna.Trial | FrozenTrial) -> bool:
     return trial.user_attrs.get(ATTR_ROLE) == ROLE_BASELINE
+
+
+def killed(result: ProbeResult) -> bool:
+    """The probe crashed because its process was killed (SIGKILL: a person or the kernel's OOM killer;
+    SIGTERM): that says nothing yet about the configuration, so it is probed once more."""
+    return result.status is ProbeStatus.CRASH and (result.error or "").startswith(_KILLED_PREFIXES)
+
+
+def first_death(trials: Sequence[FrozenTrial], key: tuple[Any, ...] | None, number: int) -> bool:
+    """No trial of configuration ``key`` but trial ``number`` has died: it gets its one retry (not reusable)."""
+    return key is None or not any(t.number != number and ATTR_DIED in t.user_attrs and config_key(t) == key for t in trials)
+
+
+def retry_candidates(trials: Sequence[FrozenTrial]) -> list[FrozenTrial]:
+    """Trials that died once (killed, or their worker went silent), whose configuration nothing holds
+    and no trial has retried yet: each is probed once more, oldest first."""
+    retried = {t.user_attrs[ATTR_RETRY_OF] for t in trials if ATTR_RETRY_OF in t.user_attrs}
+    held = {config_key(t) for t in trials if _claims(t)}
+    return [
+        t for t in sorted(trials, key=lambda t: t.number)
+        if ATTR_DIED in t.user_attrs and t.user_attrs.get(ATTR_REUSABLE) is False and t.state.is_finished()
+        and ATTR_REMEASURE_OF not in t.user_attrs and t.number not in retried
+        and (key := config_key(t)) is not None and key not in held and first_death(trials, key, t.number)
+    ]
+
+
+def _claims(trial: FrozenTrial) -> bool:
+    """A live claim of its configuration (re-measures and held trials claim nothing)."""
+    attrs = trial.user_attrs
+    return ATTR_PARAMS in attrs and ATTR_DUPLICATE_OF not in attrs and ATTR_REMEASURE_OF not in attrs and _live(trial)
+
+
+def _popped(trial: FrozenTrial) -> bool:
+    """Enqueued (enqueue_trial), then popped by a worker: its number is older than its claim."""
+    return "fixed_params" in trial.system_attrs
+
+
+def _death(trial: FrozenTrial, host: str, now_unix_s: float, grace_s: float) -> str | None:
+    """Why a RUNNING trial has lost its worker, or None while it may still be alive."""
+    owner_text = str(trial.user_attrs.get(ATTR_OWNER, ""))
+    if owner_text == owner():
+        return None
+    owner_host, _, pid = owner_text.rpartition(":")
+    if owner_host == host and pid.isdigit() and not _pid_alive(int(pid)):
+        return "interrupted: the run that started it is gone"
+    last_s = trial.user_attrs.get(ATTR_HEARTBEAT)
+    if last_s is None and trial.datetime_start is not None:
+        last_s = trial.datetime_start.timestamp()  # naive local time (RDB and journal alike)
+    if last_s is not None and now_unix_s - float(last_s) > grace_s:
+        return f"its worker ({owner_text or 'unknown'}) sent no heartbeat for {now_unix_s - float(last_s):.0f} s"
+    return None
+
+
+def dead_trials(trials: Sequence[FrozenTrial], *, now_unix_s: float, grace_s: float) -> list[tuple[FrozenTrial, str]]:
+    """RUNNING trials whose worker died, on any host (no heartbeat for ``grace_s``) or on this one
+    (its process is gone), with why."""
+    host = socket.gethostname()
+    found = []
+    for trial in trials:
+        if trial.state == TrialState.RUNNING:
+            cause = _death(trial, host, now_unix_s, grace_s)
+            if cause is not None:
+                found.append((trial, cause))
+    return found
 
 
 # ---------------------------------------------------------------------------------------- writing
@@ -259,14 +477,119 @@ def owner() -> str:
 
 
 def ask(study: optuna.Study) -> optuna.Trial:
-    """The next trial (an enqueued one first), marked as this run's."""
-    trial = study.ask()
+    """The sampler's next trial (an enqueued one first), marked as this run's and alive.
+
+    It claims nothing until :func:`record_params` gives it its configuration (:func:`holder` waits
+    for that, briefly).
+    """
+    with _queue_lock(study):
+        trial = study.ask()
     trial.set_user_attr(ATTR_OWNER, owner())
+    trial.set_user_attr(ATTR_HEARTBEAT, time.time())
     return trial
 
 
-def enqueue_baseline(study: optuna.Study, optuna_params: dict[str, Any]) -> None:
-    study.enqueue_trial(optuna_params, user_attrs={ATTR_ROLE: ROLE_BASELINE}, skip_if_exists=True)
+@contextlib.contextmanager
+def _queue_lock(study: optuna.Study) -> Iterator[None]:
+    """Serialise popping enqueued trials between the processes on one SQLite file.
+
+    ``Study.ask`` pops an enqueued trial by reading it WAITING, then setting it RUNNING; the RDB
+    storage locks its row ``FOR UPDATE`` in between, which SQLite ignores, and pysqlite begins the
+    transaction only at the write: two processes could pop the same trial and both run it, and the
+    slower one crashed on telling it (``UpdateFinishedTrialError: Trial#N has already finished``,
+    ``ValueError: Cannot tell a PRUNED trial``: issue #12, 7 of 11 workers). Processes that share an
+    SQLite file share a machine, so a lock file next to it makes the pop atomic. PostgreSQL locks
+    the row; a journal's log order decides the pop. (The loop itself no longer enqueues: see :func:`claim`.)
+    """
+    backend = getattr(study._storage, "_backend", None)
+    url = str(getattr(backend, "url", ""))
+    path = url[len("sqlite:///"):] if url.startswith("sqlite:///") else ""
+    if not path or path == ":memory:" or path.startswith("file:"):
+        yield
+        return
+    with open(f"{path}.autotune-lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def claim(
+    study: optuna.Study,
+    params: TrialParams,
+    optuna_params: dict[str, Any],
+    distributions: dict[str, optuna.distributions.BaseDistribution],
+    *,
+    baseline: bool = False,
+    retry_of: int | None = None,
+) -> optuna.Trial:
+    """A RUNNING trial of ``params`` that claims it from its creation: parameters, configuration,
+    owner and heartbeat are set in the one storage call that numbers it.
+
+    Not ``enqueue_trial`` + ``ask``: ``ask`` pops the oldest enqueued trial, which may be another
+    worker's proposal, and it has no configuration until ``suggest``.
+    """
+    user_attrs: dict[str, Any] = {ATTR_PARAMS: params.to_dict(), ATTR_OWNER: owner(), ATTR_HEARTBEAT: time.time()}
+    if baseline:
+        user_attrs[ATTR_ROLE] = ROLE_BASELINE
+    if retry_of is not None:
+        user_attrs[ATTR_RETRY_OF] = retry_of
+    template = optuna.trial.create_trial(
+        state=TrialState.RUNNING, params=optuna_params, distributions=distributions, user_attrs=user_attrs
+    )
+    return optuna.Trial(study, study._storage.create_new_trial(study._study_id, template_trial=template))
+
+
+def record_params(trial: optuna.Trial, params: TrialParams) -> None:
+    """Give a sampler's trial its configuration: from now on it claims it."""
+    if trial.user_attrs.get(ATTR_PARAMS) != params.to_dict():
+        trial.set_user_attr(ATTR_PARAMS, params.to_dict())
+
+
+def holder(study: optuna.Study, trial: optuna.Trial, *, settle_s: float = CLAIM_SETTLE_S, poll_s: float = 0.05) -> FrozenTrial | None:
+    """The trial that holds ``trial``'s configuration if it is not ``trial`` itself; None: probe it.
+
+    The lowest-numbered live claim holds a configuration. A trial popped from the queue claims only
+    from when it was popped, so it yields to any other claim. An older RUNNING trial with no
+    configuration yet (a sampler's, between ask and suggest) may turn out to claim the same one: the
+    decision waits for it, ``settle_s`` at most (past that it is a worker that died in between, and
+    the heartbeat grace will fail it).
+    """
+    me = trial.number
+    mine = study._storage.get_trial(trial._trial_id)
+    key = config_key(mine)
+    popped = _popped(mine)
+    wait_until_s = time.monotonic() + settle_s
+    while True:
+        trials = study.get_trials(deepcopy=False)
+        rivals = [t for t in trials if t.number != me and _claims(t) and config_key(t) == key and (popped or t.number < me)]
+        if rivals:
+            return min(rivals, key=lambda t: t.number)
+        unsettled = any(t.number < me and t.state == TrialState.RUNNING and ATTR_PARAMS not in t.user_attrs for t in trials)
+        if not unsettled or time.monotonic() >= wait_until_s:
+            return None
+        time.sleep(poll_s)
+
+
+def taken(study: optuna.Study, trial: optuna.Trial) -> bool:
+    """``trial`` was finished behind its worker's back (another worker failed it as dead)."""
+    return study._storage.get_trial(trial._trial_id).state.is_finished()
+
+
+def hold(study: optuna.Study, trial: optuna.Trial, params: TrialParams, holding: FrozenTrial) -> None:
+    """``trial`` does not probe: ``holding`` has its configuration. A finished holder's outcome is
+    repeated (as :func:`record_repeat`); a running one is named in ``duplicate_of``, and the trial is
+    told FAIL (which samplers ignore) without a status, result or reuse: it is neither a probe, nor
+    an outcome, nor a failure to any reader, all of which leave ``duplicate_of`` trials out."""
+    if holding.state.is_finished():
+        record_repeat(study, trial, params, _outcome(holding))
+        return
+    trial.set_user_attr(ATTR_PARAMS, params.to_dict())
+    trial.set_user_attr(ATTR_DUPLICATE_OF, holding.number)
+    trial.set_user_attr(ATTR_REASON, f"not run: trial {holding.number} was already probing this configuration")
+    trial.set_user_attr(ATTR_REUSABLE, False)
+    study.tell(trial, state=TrialState.FAIL)
 
 
 def _set_memory_constraint(study: optuna.Study, trial: optuna.Trial, value: float) -> None:
@@ -275,15 +598,24 @@ def _set_memory_constraint(study: optuna.Study, trial: optuna.Trial, value: floa
 
 
 def record_outcome(
-    study: optuna.Study, trial: optuna.Trial, params: TrialParams, result: ProbeResult, ceiling_bytes: int, *, reusable: bool = True
+    study: optuna.Study,
+    trial: optuna.Trial,
+    params: TrialParams,
+    result: ProbeResult,
+    ceiling_bytes: int,
+    *,
+    reusable: bool = True,
+    died: bool = False,
 ) -> StoredOutcome:
     """Store ``result`` on the trial and tell Optuna the matching state; returns what was stored.
 
     ``ok`` -> COMPLETE with samples/s as the value and ``(peak - ceiling) / ceiling`` as the memory
     constraint (feasible when <= 0); ``oom`` -> PRUNED (constraint +1); ``timeout``, ``crash`` and
-    ``diverged`` -> FAIL.
+    ``diverged`` -> FAIL. ``died``: the probe's process was killed (:func:`killed`; ``ATTR_DIED``).
     """
-    trial.set_user_attr(ATTR_PARAMS, params.to_dict())
+    if died:
+        trial.set_user_attr(ATTR_DIED, (result.error or "killed").splitlines()[0])
+    record_params(trial, params)
     trial.set_user_attr(ATTR_RESULT, result.to_dict())
     trial.set_user_attr(ATTR_STATUS, result.status.value)
     for name in SCALAR_RESULT_ATTRS:
@@ -352,6 +684,16 @@ def record_repeat(study: optuna.Study, trial: optuna.Trial, params: TrialParams,
         study.tell(trial, state=original.state)
 
 
+def record_death(study: optuna.Study, trial: optuna.Trial, params: TrialParams, cause: str) -> None:
+    """Fail a trial whose probe's process was killed, the first time for its configuration: no
+    result, status or reuse (it measured nothing about it), ``ATTR_DIED``; it is probed once more."""
+    trial.set_user_attr(ATTR_PARAMS, params.to_dict())
+    trial.set_user_attr(ATTR_DIED, cause.splitlines()[0] if cause else "killed")
+    trial.set_user_attr(ATTR_REASON, f"{cause[-2000:]}\n(its process was killed: the configuration is probed once more)")
+    trial.set_user_attr(ATTR_REUSABLE, False)
+    study.tell(trial, state=TrialState.FAIL)
+
+
 def fail_interrupted(study: optuna.Study, trial: optuna.Trial) -> None:
     """Fail a trial whose probe was interrupted (Ctrl-C); not reusable."""
     try:
@@ -362,18 +704,74 @@ def fail_interrupted(study: optuna.Study, trial: optuna.Trial) -> None:
         pass
 
 
-def fail_orphaned_trials(study: optuna.Study) -> int:
-    """Mark RUNNING trials whose run died (Ctrl-C'd hard, killed) as FAIL; returns how many."""
-    count = 0
-    host = socket.gethostname()
-    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        owner_host, _, pid = str(trial.user_attrs.get(ATTR_OWNER, "")).rpartition(":")
-        if owner_host != host or not pid.isdigit() or _pid_alive(int(pid)):
+def fail_dead_trials(
+    study: optuna.Study, trials: Sequence[FrozenTrial], *, now_unix_s: float | None = None, grace_s: float = HEARTBEAT_GRACE_S
+) -> list[int]:
+    """Fail the RUNNING trials whose worker died (:func:`dead_trials`); returns their numbers.
+
+    Each gets ``ATTR_DIED``; the first death of a configuration is not reusable, so it is retried
+    once (:func:`retry_candidates`), and a second is final. Several workers may fail the same trial
+    at once, and its worker may finish it after all: whoever tells first wins, the others move on.
+    """
+    now_unix_s = time.time() if now_unix_s is None else now_unix_s
+    storage = study._storage
+    failed = []
+    for trial, cause in dead_trials(trials, now_unix_s=now_unix_s, grace_s=grace_s):
+        try:
+            storage.set_trial_user_attr(trial._trial_id, ATTR_REASON, cause)
+            storage.set_trial_user_attr(trial._trial_id, ATTR_DIED, cause)
+            if first_death(trials, config_key(trial), trial.number):
+                storage.set_trial_user_attr(trial._trial_id, ATTR_REUSABLE, False)
+            study.tell(trial.number, state=TrialState.FAIL, skip_if_finished=True)
+        except (optuna.exceptions.UpdateFinishedTrialError, ValueError):
             continue
-        study._storage.set_trial_user_attr(trial._trial_id, ATTR_REASON, "interrupted: the run that started it is gone")
-        study.tell(trial.number, state=TrialState.FAIL)
-        count += 1
-    return count
+        failed.append(trial.number)
+    return failed
+
+
+def fail_orphaned_trials(study: optuna.Study) -> int:
+    """Fail RUNNING trials whose run died (killed, or silent past the heartbeat grace); returns how many."""
+    return len(fail_dead_trials(study, study.get_trials(deepcopy=False)))
+
+
+class Heartbeat:
+    """While a probe runs: a daemon thread refreshes its trial's ``ATTR_HEARTBEAT`` every ``interval_s``
+    (a context manager), so that other workers, on any host, can tell it is alive (:func:`dead_trials`)."""
+
+    def __init__(self, study: optuna.Study, trial: optuna.Trial, interval_s: float = HEARTBEAT_INTERVAL_S) -> None:
+        self._storage = study._storage
+        self._trial_id = trial._trial_id
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name=f"autotune-heartbeat-{trial.number}", daemon=True)
+
+    def __enter__(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=max(5.0, self._interval_s))
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            try:
+                self._storage.set_trial_user_attr(self._trial_id, ATTR_HEARTBEAT, time.time())
+            except optuna.exceptions.UpdateFinishedTrialError:
+                return  # another worker failed it as dead: nothing left to keep alive
+            except Exception:  # noqa: BLE001 - a busy or unreachable database: the next beat tries again
+                continue
+
+
+def record_deadline(study: optuna.Study, deadline_unix_s: float) -> None:
+    """Store when the shared budget of this study's workers ends (``time.time()``), for workers that join later."""
+    study.set_user_attr(STUDY_DEADLINE_ATTR, float(deadline_unix_s))
+
+
+def deadline_unix_s(study: optuna.Study) -> float | None:
+    """When the shared budget ends (``time.time()``), as :func:`record_deadline` stored it; None: no deadline."""
+    value = study.user_attrs.get(STUDY_DEADLINE_ATTR)
+    return float(value) if value is not None else None
 
 
 def _pid_alive(pid: int) -> bool:
@@ -386,20 +784,78 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def start_remeasure(study: optuna.Study, first_number: int) -> optuna.Trial:
-    """A RUNNING trial with the exact parameters of trial ``first_number`` and ``remeasure_of`` set.
+def start_remeasure(study: optuna.Study, first_number: int, round_: int | None = None) -> optuna.Trial:
+    """A RUNNING trial with the exact parameters of trial ``first_number`` and ``remeasure_of`` set;
+    ``round_``: which probe of the configuration it is (2, 3), what :func:`remeasure_holder` decides on.
 
-    Not ``enqueue_trial`` + ``ask``: ``ask`` takes the oldest waiting trial first, and one the loop
-    enqueued but did not reach may still be waiting.
+    Not ``enqueue_trial`` + ``ask``: ``ask`` takes the oldest waiting trial first, which may be another's.
     """
     storage = study._storage
     original = storage.get_trial(storage.get_trial_id_from_study_id_trial_number(study._study_id, first_number))
+    user_attrs: dict[str, Any] = {ATTR_REMEASURE_OF: first_number, ATTR_OWNER: owner(), ATTR_HEARTBEAT: time.time()}
+    if round_ is not None:
+        user_attrs[ATTR_REMEASURE_ROUND] = round_
+    if ATTR_PARAMS in original.user_attrs:
+        user_attrs[ATTR_PARAMS] = original.user_attrs[ATTR_PARAMS]
     template = optuna.trial.create_trial(
         state=TrialState.RUNNING,
         params=original.params,
         distributions=original.distributions,
-        user_attrs={ATTR_REMEASURE_OF: first_number, ATTR_OWNER: owner()},
+        user_attrs=user_attrs,
     )
     # Study.add_trial returns no id; its storage call does.
     trial_id = storage.create_new_trial(study._study_id, template_trial=template)
     return optuna.Trial(study, trial_id)
+
+
+def remeasure_holder(study: optuna.Study, trial: optuna.Trial) -> FrozenTrial | None:
+    """The re-measure that holds ``trial``'s (configuration, round), if it is not ``trial``: the
+    lowest-numbered one running or finished with a probe (two workers ending at once must not both
+    probe a near-tie a second time)."""
+    attrs = trial.user_attrs
+    first, round_ = attrs.get(ATTR_REMEASURE_OF), attrs.get(ATTR_REMEASURE_ROUND)
+    rivals = [
+        t for t in study.get_trials(deepcopy=False)
+        if t.number < trial.number and t.user_attrs.get(ATTR_REMEASURE_OF) == first and t.user_attrs.get(ATTR_REMEASURE_ROUND) == round_
+        and ATTR_DUPLICATE_OF not in t.user_attrs and (t.state == TrialState.RUNNING or ATTR_RESULT in t.user_attrs)
+    ]
+    return min(rivals, key=lambda t: t.number) if rivals else None
+
+
+# ---------------------------------------------------------------------------------------- recovery
+
+ATTR_RECOVERED_FROM = "recovered_from"  # a result a probe finished after its run was killed: the trial it belonged to
+
+
+def record_recovered(
+    study: optuna.Study, trial_number: int, params: TrialParams, result: ProbeResult, ceiling_bytes: int
+) -> int | None:
+    """Store a result that the probe of trial ``trial_number`` finished after its run was killed.
+
+    The dead run's trial is RUNNING (or already failed as orphaned), and Optuna cannot finish a
+    trial twice, so the result becomes a new finished trial with the same parameters (and role),
+    marked ``recovered_from``; a still-RUNNING original is failed. Returns the new trial's number,
+    or None when there is nothing to do (the original finished after all, or it was recovered before).
+    """
+    storage = study._storage
+    try:
+        original = storage.get_trial(storage.get_trial_id_from_study_id_trial_number(study._study_id, trial_number))
+    except KeyError:
+        return None
+    if original.state == TrialState.COMPLETE or any(
+        t.user_attrs.get(ATTR_RECOVERED_FROM) == trial_number for t in study.get_trials(deepcopy=False)
+    ):
+        return None
+    user_attrs: dict[str, Any] = {ATTR_RECOVERED_FROM: trial_number, ATTR_OWNER: owner()}
+    if ATTR_ROLE in original.user_attrs:
+        user_attrs[ATTR_ROLE] = original.user_attrs[ATTR_ROLE]
+    template = optuna.trial.create_trial(
+        state=TrialState.RUNNING, params=original.params, distributions=original.distributions, user_attrs=user_attrs,
+    )
+    trial = optuna.Trial(study, storage.create_new_trial(study._study_id, template_trial=template))
+    record_outcome(study, trial, params, result, ceiling_bytes)
+    if original.state == TrialState.RUNNING:
+        storage.set_trial_user_attr(original._trial_id, ATTR_REASON, f"its run was killed; the result is trial {trial.number}")
+        storage.set_trial_user_attr(original._trial_id, ATTR_REUSABLE, False)
+        study.tell(trial_number, state=TrialState.FAIL)
+    return trial.number

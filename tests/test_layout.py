@@ -24,10 +24,11 @@ PACKAGE = Path(__file__).resolve().parent.parent / "autotune"
 # `probe` share a layer and must not import each other: the parent side and the child side meet
 # only in `api` (the probe evaluator behind the search loop's Evaluator interface).
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("autotune.version", "autotune.errors", "autotune.units"),
+    ("autotune.version", "autotune.errors", "autotune.units", "autotune.interrupts"),
     ("autotune.params",),
     ("autotune.records",),
     ("autotune.space", "autotune.models", "autotune.data"),
+    ("autotune.storage",),
     ("autotune.studies",),
     ("autotune.search", "autotune.probe"),
     ("autotune.results",),

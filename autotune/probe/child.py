@@ -624,8 +624,16 @@ def _finite_or_none(value: float) -> float | None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 2:
-        print("usage: python -m autotune.probe.child SPEC.json RESULT.json", file=sys.stderr)
+        print("usage: python -m autotune.probe SPEC.json RESULT.json", file=sys.stderr)
         return 2
+    if sys.platform.startswith("linux"):
+        # DataLoader workers fork from the probe, Linux's default. A probe forked from the probe server
+        # would otherwise inherit the server's start method (forkserver), whose named semaphores are
+        # registered with the run's resource tracker: a probe killed at its deadline leaked them, and the
+        # run ended with "There appear to be 14 leaked semaphore objects" warnings.
+        import multiprocessing
+
+        multiprocessing.set_start_method("fork", force=True)
     spec = ProbeSpec.from_json(Path(argv[0]).read_text(encoding="utf-8"))
     result = run_probe(spec)
     Path(argv[1]).write_text(__import__("json").dumps(result.to_dict()), encoding="utf-8")

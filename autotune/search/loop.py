@@ -32,31 +32,49 @@ Exploration stops early enough to leave the time these probes take.
 The loop stops when the budget (``clock`` time) or the trial count runs out, when every point has
 been measured, or on Ctrl-C; a trial in flight at Ctrl-C is told FAIL ("interrupted") and every
 finished trial stays in the storage, so re-running the same command resumes the study.
+
+**Workers.** Several processes (one per GPU, or on several machines) may run this loop on one
+study at once; the study is all they share (the protocol is in :mod:`autotune.studies`, "reading").
+Before each proposal a worker reads the trials once and syncs: the probes others finished (history
+and memory model), their outcomes (``seen``), and the configurations in flight elsewhere, which
+count as seen for the strategy (:class:`~autotune.search.strategies.base.SeenKeys`). A proposal is
+created as a trial that claims its configuration in the same storage call (:func:`studies.claim`),
+a sampler's trial claims it right after ``suggest``; the lowest-numbered live claim holds a
+configuration, and a worker whose trial does not hold it records it as held (not a probe) and
+proposes again. While a probe runs its trial's heartbeat is refreshed; a RUNNING trial silent past
+``heartbeat_grace_s`` (any host), or whose process on this host is gone, is failed by whichever
+worker sees it, and its configuration, like that of a probe whose process was killed, is probed
+once more; a second death is final. A baseline that never finished is run again.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import optuna
+from optuna.distributions import BaseDistribution, CategoricalDistribution
+from optuna.trial import FrozenTrial
 
 import autotune.studies as studies
 from autotune.params import TrialParams
 from autotune.records import Probe, ProbeResult, ProbeStatus
 from autotune.search.memory import MemoryModel
 from autotune.search.ranking import Configuration, near_ties, rank_configurations
-from autotune.search.strategies.base import SearchState, Strategy
+from autotune.search.strategies.base import SearchState, SeenKeys, Strategy
 from autotune.space import SearchSpace
 from autotune.studies import StoredOutcome
 
 StopReason = Literal["budget", "n_trials", "exhausted", "interrupted"]
 
-MAX_CONSECUTIVE_PRUNES = 200  # then a random configuration the strategy allows is enqueued
+MAX_CONSECUTIVE_PRUNES = 200  # then a random configuration the strategy allows is proposed
+
+_log = logging.getLogger(__name__)
 
 
 class Evaluator(Protocol):
@@ -101,6 +119,9 @@ class SearchSettings:
     trial_timeout_s: float = 900.0  # one probe, start-up and compilation included
     min_probe_s: float = 5.0  # do not start a probe with less time than this left
     seed: int = 0
+    heartbeat_interval_s: float = studies.HEARTBEAT_INTERVAL_S  # a probing worker refreshes its trial's heartbeat this often
+    heartbeat_grace_s: float = studies.HEARTBEAT_GRACE_S  # a RUNNING trial silent this long is failed (its worker died) and retried once
+    claim_settle_s: float = studies.CLAIM_SETTLE_S  # a claim waits this long at most for an older trial without a configuration yet
 
 
 @dataclass(frozen=True)
@@ -122,6 +143,8 @@ class SearchOutcome:
     probes_run: int = 0  # re-measures included
     remeasures: int = 0
     duplicates: int = 0
+    held: int = 0  # trials not run because another worker's trial held their configuration
+    retries: int = 0  # configurations probed again because the process probing them died
     pruned: int = 0
     oom_probes: int = 0
     records: list[TrialRecord] = field(default_factory=list)
@@ -136,21 +159,21 @@ def _remeasure_queue(study: optuna.Study, ceiling_bytes: int, tried: set[tuple[i
     """The near-ties as they stand when the search ends, then, read afresh, those that their second
     probe made unstable (a third probe decides); each (configuration, probe count) once."""
     for _ in range(2):
-        pending = [c for c in _to_remeasure(study, ceiling_bytes) if (c.number, c.n_measurements) not in tried]
+        pending = [c for c in _to_remeasure(studies.stored_probes(study), ceiling_bytes) if (c.number, c.n_measurements) not in tried]
         for contender in pending:
             tried.add((contender.number, contender.n_measurements))
             yield contender
 
 
-def _to_remeasure(study: optuna.Study, ceiling_bytes: int) -> list[Configuration]:
+def _to_remeasure(probes: Sequence[Probe], ceiling_bytes: int) -> list[Configuration]:
     """The near-ties measured only once, and those whose two probes disagree (unstable: a third probe
     decides); a resumed run probes none of them beyond that."""
-    ranked = ranked_configurations(study, ceiling_bytes)
+    ranked = rank_configurations(probes, ceiling_bytes)
     contenders = near_ties(ranked) or [c for c in ranked[:1] if c.unstable]
     return [c for c in contenders if c.n_measurements == 1 or (c.n_measurements == 2 and c.unstable)]
 
 
-def _random_unmeasured(space: SearchSpace, seen: dict[tuple[Any, ...], Any], rng: random.Random) -> TrialParams | None:
+def _random_unmeasured(space: SearchSpace, seen: SeenKeys, rng: random.Random) -> TrialParams | None:
     for _ in range(2000):
         params = space.random_point(rng)
         if params.key() not in seen:
@@ -200,12 +223,17 @@ def remeasure_near_ties(
         remaining_s = deadline_s - clock.now() if deadline_s is not None else settings.trial_timeout_s
         if remaining_s < max(settings.min_probe_s, contender.wall_s or typical_s):
             continue
-        trial = studies.start_remeasure(study, contender.number)
+        trial = studies.start_remeasure(study, contender.number, contender.n_measurements + 1)
         try:
-            if on_start:
-                on_start(trial.number, contender.params)
-            result, reusable = _probe(evaluator, contender.params, settings, remaining_s)
-            studies.record_outcome(study, trial, contender.params, result, settings.memory_ceiling_bytes, reusable=reusable)
+            with studies.Heartbeat(study, trial, settings.heartbeat_interval_s):
+                holding = studies.remeasure_holder(study, trial)
+                if holding is not None:  # another worker is probing (or probed) this one again
+                    studies.hold(study, trial, contender.params, holding)
+                    continue
+                if on_start:
+                    on_start(trial.number, contender.params)
+                result, reusable = _probe(evaluator, contender.params, settings, remaining_s)
+                _record(study, trial, contender.params, result, settings, reusable)
         except KeyboardInterrupt:
             studies.fail_interrupted(study, trial)
             raise
@@ -219,6 +247,70 @@ def remeasure_near_ties(
                 remeasure_of=contender.number,
             ))
     return done
+
+
+def _record(
+    study: optuna.Study, trial: optuna.Trial, params: TrialParams, result: ProbeResult, settings: SearchSettings, reusable: bool,
+    trials: Sequence[FrozenTrial] | None = None,
+) -> StoredOutcome | None:
+    """Store a probe's outcome; None when it is not stored as one.
+
+    A probe whose process was killed (:func:`studies.killed`) says nothing about its configuration
+    the first time: the trial is failed as dead, not reusable, and the configuration is probed once
+    more (:func:`studies.retry_candidates`); the second time the crash is final. A trial that
+    another worker failed as dead meanwhile (this worker was alive, but silent past the grace)
+    cannot be told again: the outcome is dropped with a warning.
+    """
+    died = studies.killed(result)
+    try:
+        if died and studies.first_death(studies.read_trials(study) if trials is None else trials, params.key(), trial.number):
+            studies.record_death(study, trial, params, result.error or "killed")
+            return None
+        return studies.record_outcome(study, trial, params, result, settings.memory_ceiling_bytes, reusable=reusable, died=died)
+    except (optuna.exceptions.UpdateFinishedTrialError, ValueError):
+        if not studies.taken(study, trial):
+            raise
+        _log.warning("trial %d was failed by another worker (no heartbeat for %.0f s): its outcome is dropped", trial.number, settings.heartbeat_grace_s)
+        return None
+
+
+def _distributions(space: SearchSpace) -> dict[str, BaseDistribution]:
+    """The Optuna distributions :meth:`SearchSpace.suggest` asks for, for a trial created with its parameters."""
+    return {name: CategoricalDistribution(list(space.choices[name])) for name in space.free_params}
+
+
+@dataclass
+class _Synced:
+    """This worker's view of the search, synced from the study before each proposal."""
+
+    memory: MemoryModel
+    from_number: int  # trials numbered from here were made during this run (their pruned configurations count as seen)
+    history: list[Probe] = field(default_factory=list)  # probes that ran, here and in other workers
+    seen: dict[tuple[Any, ...], StoredOutcome] = field(default_factory=dict)  # measured (reusable), or pruned in this run
+    in_flight: set[tuple[Any, ...]] = field(default_factory=set)  # RUNNING elsewhere
+    numbers: set[int] = field(default_factory=set)  # trial numbers in history
+
+    def add(self, probe: Probe) -> None:
+        """A probe of this worker's."""
+        self.numbers.add(probe.number)
+        self.history.append(probe)
+        self.memory.observe(probe.params, probe.result)
+
+    def sync(self, trials: Sequence[FrozenTrial]) -> None:
+        """Take in what the others finished or run now (nothing new for a lone worker)."""
+        new = [p for p in studies.probes_in(trials) if p.number not in self.numbers]
+        self.numbers.update(p.number for p in new)
+        self.history.extend(new)
+        self.memory.observe_all((p.params, p.result) for p in new)
+        for key, stored in studies.reusable_in(trials).items():
+            self.seen.setdefault(key, stored)
+        for key, stored in studies.pruned_in(trials, self.from_number).items():
+            self.seen.setdefault(key, stored)
+        self.in_flight = studies.in_flight(trials) - self.seen.keys()
+
+
+def _pruned_here(stored: StoredOutcome | None) -> bool:
+    return stored is not None and stored.attrs.get(studies.ATTR_STATUS) == ProbeStatus.PRUNED.value
 
 
 def _probe(evaluator: Evaluator, params: TrialParams, settings: SearchSettings, remaining_s: float) -> tuple[ProbeResult, bool]:
@@ -252,7 +344,8 @@ def run_search(
         space: the restricted search space.
         evaluator: measures one configuration.
         settings: budget, trial count, memory ceiling, per-probe timeout.
-        baseline: enqueued as the first trial of a study that has none.
+        baseline: run first in a study whose baseline is not queued, running or finished for good
+            (a baseline that never finished, or whose process died once, is run again).
         clock: time source for the budget (a :class:`VirtualClock` for replays and tests).
         on_trial: called after every finished trial, e.g. to update a progress display.
         on_start: called before every probe with the trial number and its parameters.
@@ -270,25 +363,23 @@ def run_search(
     start_s = clock.now() if started_s is None else started_s
     deadline_s = start_s + settings.budget_s if settings.budget_s else None
     rng = random.Random(settings.seed)
-    studies.fail_orphaned_trials(study)
-    seen: dict[tuple[Any, ...], StoredOutcome] = studies.reusable_outcomes(study)
-    if baseline is not None and not studies.has_baseline(study):
-        studies.enqueue_baseline(study, space.optuna_params(baseline))
+    trials = studies.read_trials(study)
+    memory = memory if memory is not None else MemoryModel()
+    synced = _Synced(memory, from_number=max((t.number for t in trials), default=-1) + 1)
     outcome = SearchOutcome(stopped_because="budget")
     wall_times_s: list[float] = []
-    memory = memory if memory is not None else MemoryModel()
-    history: list[Probe] = studies.stored_probes(study)
-    memory.observe_all((o.params, o.result) for o in history)
-    state = SearchState(space, settings.memory_ceiling_bytes, memory, history, seen, baseline=baseline)
+    state = SearchState(space, settings.memory_ceiling_bytes, memory, synced.history, SeenKeys(synced.seen), baseline=baseline)
     if strategy is not None:
         study.sampler = strategy.sampler(settings.seed)
+    distributions = _distributions(space)
     consecutive_prunes = 0
+    fresh: TrialParams | None = None  # a random unmeasured configuration, to run after a repeat
     open_trial: optuna.Trial | None = None  # asked, not yet told
 
-    def finished(record: TrialRecord) -> None:
-        """Bookkeeping after every probe (exploring or re-measuring)."""
-        history.append(Probe(record.number, record.params, record.result))
-        memory.observe(record.params, record.result)
+    def finished(record: TrialRecord, *, stored: bool = True) -> None:
+        """Bookkeeping after every probe (exploring or re-measuring); ``stored``: as a probe (not a first death)."""
+        if stored:
+            synced.add(Probe(record.number, record.params, record.result))
         outcome.probes_run += 1
         outcome.remeasures += record.remeasure_of is not None
         outcome.oom_probes += record.result.status is ProbeStatus.OOM
@@ -303,7 +394,13 @@ def run_search(
             if settings.n_trials is not None and outcome.probes_run >= settings.n_trials:
                 outcome.stopped_because = "n_trials"
                 break
-            if len(seen) >= space.size:
+            # Sync: read the trials once; fail those whose worker died; take in what the others did.
+            trials = studies.read_trials(study)
+            if studies.fail_dead_trials(study, trials, grace_s=settings.heartbeat_grace_s):
+                trials = studies.read_trials(study)
+            synced.sync(trials)
+            state.seen = SeenKeys(synced.seen, synced.in_flight)
+            if len(state.seen) >= space.size:
                 outcome.stopped_because = "exhausted"
                 break
             remaining_s = deadline_s - clock.now() if deadline_s is not None else settings.trial_timeout_s
@@ -312,7 +409,7 @@ def run_search(
             typical_s = statistics.median(wall_times_s) if wall_times_s else 0.0
             reserve_s = 0.0
             if deadline_s is not None:
-                contenders = _to_remeasure(study, settings.memory_ceiling_bytes)
+                contenders = _to_remeasure(studies.probes_in(trials), settings.memory_ceiling_bytes)
                 reserve_s = _remeasure_cost_s(contenders, typical_s, remaining_s, settings.min_probe_s)
             if remaining_s - reserve_s < max(settings.min_probe_s, typical_s):
                 outcome.stopped_because = "budget"
@@ -321,50 +418,78 @@ def run_search(
             # by a faster configuration, and shrinking the plan for it cost the frontier strategy a probe
             # in bench.search. The reserve is enforced here, when deciding whether to explore at all.
             state.remaining_s = remaining_s if deadline_s is not None else None
-            if strategy is not None and not studies.has_waiting(study):
+            # What to claim: an enqueued trial first (ask pops it), then the baseline, a configuration
+            # whose process died, the fresh point after a repeat, the strategy's proposal; else the sampler's.
+            proposal, as_baseline, retry_of = None, False, None
+            retry = studies.retry_candidates(trials)
+            if studies.has_waiting(trials):
+                pass
+            elif baseline is not None and not studies.baseline_settled(trials) and not _pruned_here(synced.seen.get(baseline.key())):
+                proposal, as_baseline = baseline, True
+                retry_of = next((t.number for t in retry if studies.config_key(t) == baseline.key()), None)
+            elif retry:
+                proposal, retry_of = TrialParams.from_dict(retry[0].user_attrs[studies.ATTR_PARAMS]), retry[0].number
+            elif fresh is not None:
+                proposal = fresh
+            elif strategy is not None:
                 proposal = strategy.propose(state)
                 if proposal is None and consecutive_prunes >= MAX_CONSECUTIVE_PRUNES:
-                    proposal = _random_allowed(space, seen, rng, strategy, state)
+                    proposal = _random_allowed(space, state.seen, rng, strategy, state)
                     consecutive_prunes = 0
-                if proposal is not None and proposal.key() not in seen:
-                    study.enqueue_trial(space.optuna_params(proposal))
-            trial = open_trial = studies.ask(study)
-            params = space.suggest(trial)
-            key = params.key()
-            if key in seen:
-                studies.record_repeat(study, trial, params, seen[key])
+                if proposal is not None and proposal.key() in state.seen:
+                    proposal = None
+            fresh = None
+            if proposal is not None:
+                trial = open_trial = studies.claim(
+                    study, proposal, space.optuna_params(proposal), distributions, baseline=as_baseline, retry_of=retry_of
+                )
+            else:
+                trial = open_trial = studies.ask(study)
+            with studies.Heartbeat(study, trial, settings.heartbeat_interval_s):  # alive from its claim to its outcome
+                params = space.suggest(trial)
+                key = params.key()
+                if key in synced.seen:
+                    studies.record_repeat(study, trial, params, synced.seen[key])
+                    open_trial = None
+                    outcome.duplicates += 1
+                    fresh = _random_unmeasured(space, state.seen, rng)
+                    continue
+                studies.record_params(trial, params)
+                holding = studies.holder(study, trial, settle_s=settings.claim_settle_s)
+                if holding is not None:  # another worker's trial claimed it first: propose again, knowing that
+                    studies.hold(study, trial, params, holding)
+                    open_trial = None
+                    outcome.held += 1
+                    if proposal is None:
+                        fresh = _random_unmeasured(space, SeenKeys(synced.seen, synced.in_flight | {key}), rng)
+                    continue
+                outcome.retries += retry_of is not None
+                predicted = memory.predict(params)
+                if predicted is not None:
+                    studies.record_predicted_peak(trial, predicted)
+                reason = strategy.prune(params, state) if strategy is not None else None
+                if reason is not None:
+                    synced.seen[key] = studies.record_pruned(study, trial, params, reason, predicted, settings.memory_ceiling_bytes)
+                    open_trial = None
+                    outcome.pruned += 1
+                    consecutive_prunes += 1
+                    continue
+                consecutive_prunes = 0
+                if on_start:
+                    on_start(trial.number, params)
+                result, reusable = _probe(evaluator, params, settings, remaining_s)
+                measured = _record(study, trial, params, result, settings, reusable, trials)
                 open_trial = None
-                outcome.duplicates += 1
-                fresh = _random_unmeasured(space, seen, rng)
-                if fresh is not None:
-                    study.enqueue_trial(space.optuna_params(fresh))
-                continue
-            predicted = memory.predict(params)
-            if predicted is not None:
-                studies.record_predicted_peak(trial, predicted)
-            reason = strategy.prune(params, state) if strategy is not None else None
-            if reason is not None:
-                seen[key] = studies.record_pruned(study, trial, params, reason, predicted, settings.memory_ceiling_bytes)
-                open_trial = None
-                outcome.pruned += 1
-                consecutive_prunes += 1
-                continue
-            consecutive_prunes = 0
-            if on_start:
-                on_start(trial.number, params)
-            result, reusable = _probe(evaluator, params, settings, remaining_s)
-            measured = studies.record_outcome(study, trial, params, result, settings.memory_ceiling_bytes, reusable=reusable)
-            open_trial = None
-            if reusable:
-                seen[key] = measured
-            record = TrialRecord(
-                number=trial.number,
-                params=params,
-                result=result,
-                feasible=result.fits(settings.memory_ceiling_bytes),
-                is_baseline=studies.is_baseline(trial),
-            )
-            finished(record)
+                if measured is not None and reusable:
+                    synced.seen[key] = measured
+                record = TrialRecord(
+                    number=trial.number,
+                    params=params,
+                    result=result,
+                    feasible=result.fits(settings.memory_ceiling_bytes),
+                    is_baseline=studies.is_baseline(trial),
+                )
+                finished(record, stored=measured is not None)
         # The loop ended without Ctrl-C (budget, trial count or space): decide the near-ties.
         typical_s = statistics.median(wall_times_s) if wall_times_s else 0.0
         remeasure_near_ties(
@@ -381,7 +506,7 @@ def run_search(
 
 
 def _random_allowed(
-    space: SearchSpace, seen: dict[tuple[Any, ...], Any], rng: random.Random, strategy: Strategy, state: SearchState
+    space: SearchSpace, seen: SeenKeys, rng: random.Random, strategy: Strategy, state: SearchState
 ) -> TrialParams | None:
     """A random unmeasured configuration the strategy does not prune (the sampler keeps proposing pruned ones)."""
     for _ in range(200):

@@ -15,7 +15,7 @@ fastest is :func:`autotune.search.ranking.rank_configurations`, the rule every o
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Container, Sequence
+from collections.abc import Collection, Container, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -28,6 +28,27 @@ from autotune.search.ranking import Configuration, rank_configurations
 from autotune.space import SearchSpace
 
 
+class SeenKeys(Collection[tuple[Any, ...]]):
+    """What a strategy must not propose (``TrialParams.key()``s): the configurations measured or
+    pruned (``measured``, the loop's record, this worker's and the others') and those in flight in
+    other workers (``in_flight``, read from the study before each proposal): N workers search as
+    one search with N probes in flight. Iterates ``measured`` first, in its order."""
+
+    def __init__(self, measured: Collection[tuple[Any, ...]], in_flight: Collection[tuple[Any, ...]] = frozenset()) -> None:
+        self.measured = measured
+        self.in_flight = in_flight
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.measured or key in self.in_flight
+
+    def __iter__(self) -> Iterator[tuple[Any, ...]]:
+        yield from self.measured
+        yield from (key for key in self.in_flight if key not in self.measured)
+
+    def __len__(self) -> int:
+        return len(self.measured) + sum(1 for key in self.in_flight if key not in self.measured)
+
+
 @dataclass
 class SearchState:
     """What the loop knows, shared with the strategy (read-only for it)."""
@@ -36,7 +57,8 @@ class SearchState:
     ceiling_bytes: int
     memory: MemoryModel
     history: Sequence[Probe] = field(default_factory=list)  # the probes that ran, oldest first
-    seen: Container[tuple[Any, ...]] = field(default_factory=set)  # TrialParams.key() of measured or pruned configurations
+    # TrialParams.key() of measured or pruned configurations, and of those in flight in other workers (SeenKeys)
+    seen: Container[tuple[Any, ...]] = field(default_factory=set)
     remaining_s: float | None = None  # budget left; None without a time budget
     baseline: TrialParams | None = None
 
