@@ -16,7 +16,7 @@ import os
 import shlex
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 
 DEFAULT_MODEL = "tiny-gptneox"
 DEFAULT_SEQ_LEN = 512
+WORKERS_STORAGE = "journal:///autotune.journal.log"  # --gpus: a file several processes share without a server
 FINISH_RESERVE_S = 3.0  # of the budget (at most 10% of it), for loading the result and writing the report
 CEILING_SAFETY_FRACTION = 0.95  # leave 5% of the device below the ceiling for the user's real run
 # --isolation: how each probe's process starts -> autotune.probe.isolation's mode.
@@ -85,6 +86,9 @@ class RunOptions:
         isolation: how each probe's fresh process starts: ``fork`` from a probe server that has
             imported torch and transformers once (checked CUDA-clean when it starts; probes start
             cold if it is not), or ``cold``, a new interpreter per probe (slower, nothing shared).
+        gpus: one worker per GPU on this machine, all on one study (``"0,1,2,3"``, ``[0, 1]`` or
+            ``"all"``; :mod:`autotune.workers`); the storage then defaults to a journal file
+            (:data:`WORKERS_STORAGE`), which several processes share safely without a server.
     """
 
     model: str = DEFAULT_MODEL
@@ -106,6 +110,7 @@ class RunOptions:
     tokenizer: str | None = None
     strategy: str = DEFAULT_STRATEGY
     isolation: str = "fork"
+    gpus: str | Sequence[int] | None = None
 
     @classmethod
     def of(cls, **values: Any) -> RunOptions:
@@ -141,6 +146,7 @@ class RunPlan:
     dataset: Any = None  # autotune.data.DatasetSpec, or None for synthetic tokens
     strategy: str = DEFAULT_STRATEGY
     isolation: str = "fork"  # a key of ISOLATION_MODES
+    gpus: list[int] | None = None  # one worker process per GPU (autotune.workers); None: probe here
 
     def study_attrs(self, command: str | None) -> dict[str, Any]:
         from autotune.models import count_parameters
@@ -159,6 +165,11 @@ class RunPlan:
             "baseline": self.baseline.to_dict(),
             "dataset": self.dataset.to_dict() if self.dataset else None,
             "strategy": self.strategy,
+            # What a worker joining from elsewhere needs to probe exactly as this run does (autotune.workers).
+            "probe": {
+                "warmup_steps": self.warmup_steps, "measure_steps": self.measure_steps,
+                "trial_timeout_s": self.settings.trial_timeout_s, "seed": self.settings.seed, "isolation": self.isolation,
+            },
             "command": command,
             "versions": package_versions(),
         }
@@ -226,7 +237,13 @@ def plan_run(options: RunOptions) -> RunPlan:
             f"--seq-len {seq_len} is outside 1..{model_spec.max_positions}, the limit of {model_spec.name}: "
             f"use --seq-len {min(DEFAULT_SEQ_LEN, model_spec.max_positions)} or less"
         )
-    device_info = options.device if isinstance(options.device, DeviceInfo) else detect_device(options.device)
+    from autotune.workers import parse_gpus
+
+    gpus = parse_gpus(options.gpus)
+    if gpus is not None:
+        device_info = _same_kind_gpus(gpus, options.device)
+    else:
+        device_info = options.device if isinstance(options.device, DeviceInfo) else detect_device(options.device)
     if options.memory_ceiling is None:
         ceiling = int(CEILING_SAFETY_FRACTION * device_info.total_memory_bytes)
     else:
@@ -259,7 +276,7 @@ def plan_run(options: RunOptions) -> RunPlan:
         seq_len=seq_len,
         memory_ceiling_bytes=ceiling,
         baseline=baseline,
-        storage=options.storage or DEFAULT_STORAGE,
+        storage=options.storage or (WORKERS_STORAGE if gpus else DEFAULT_STORAGE),
         study_name=study_name,
         settings=SearchSettings(
             memory_ceiling_bytes=ceiling, budget_s=budget_s, n_trials=options.n_trials, trial_timeout_s=trial_timeout_s,
@@ -270,10 +287,32 @@ def plan_run(options: RunOptions) -> RunPlan:
         dataset=dataset_spec,
         strategy=options.strategy,
         isolation=options.isolation,
+        gpus=gpus,
     )
+    if gpus and not isinstance(plan.storage, str):
+        raise UsageError("--gpus starts worker processes, which open the storage by its URL: pass storage as a URL "
+                         f"(e.g. {WORKERS_STORAGE}), not an object")
     if options.study is None:
         plan = dataclasses.replace(plan, study_name=_own_study_name(plan))
     return plan
+
+
+def _same_kind_gpus(gpus: list[int], device: str | DeviceInfo) -> DeviceInfo:
+    """The first of ``gpus``, after checking every one exists and is the same model with the same memory
+    (a study belongs to one device kind: its measurements rank configurations for that kind).
+
+    Raises:
+        UsageError/DeviceError: ``--device`` is not a GPU, a GPU is missing, or the GPUs differ.
+    """
+    if device not in ("auto", "cuda"):
+        raise UsageError(f"--gpus picks the GPUs itself: drop --device {device if isinstance(device, str) else device.name}")
+    infos = [detect_device(f"cuda:{gpu}") for gpu in gpus]
+    kinds = {(info.name, info.total_memory_bytes) for info in infos}
+    if len(kinds) > 1:
+        listing = ", ".join(f"cuda:{gpu} {info.name} {format_bytes(info.total_memory_bytes)}" for gpu, info in zip(gpus, infos))
+        raise DeviceError(f"--gpus names GPUs of different kinds ({listing}): a study is for one kind; "
+                          "run one study per kind, each with its own --gpus")
+    return infos[0]
 
 
 def _own_study_name(plan: RunPlan) -> str:
@@ -470,6 +509,7 @@ def run_plan(
     report_dir: str | Path | None = "reports",
     command: str | None = None,
     best_json: str | Path | None = None,
+    join: bool = False,
 ) -> RunOutcome:
     """Open the plan's study, run the search, write the report: the one path of ``autotune run`` and :func:`tune`.
 
@@ -482,6 +522,8 @@ def run_plan(
         report_dir: where ``<study>.html`` is written (None: no report).
         command: the command line to record in the study, for the report.
         best_json: write the best configuration's TrainingArguments JSON here (before the report).
+        join: this is a worker joining the study (``autotune worker``): the shared deadline stays as
+            the run that made it set it.
 
     Ctrl-C (or SIGTERM, under :func:`autotune.interrupts.sigterm_interrupts`) during the search stops
     it cleanly (the run's result and report are written and :attr:`SearchOutcome.stopped_because` is
@@ -495,11 +537,22 @@ def run_plan(
     if best_json is not None:
         check_writable_file(best_json, "--output")
     study = open_study(plan, command)
+    if plan.settings.budget_s and not join:  # when the shared budget ends, for workers (this run's, or joining later)
+        reserve_s = min(FINISH_RESERVE_S, 0.1 * plan.settings.budget_s)
+        studies.record_deadline(study, time.time() - (time.monotonic() - started_s) + plan.settings.budget_s - reserve_s)
     if on_open:
         on_open(plan, finished_trials(study))
     report_path = Path(report_dir) / f"{plan.study_name}.html" if report_dir is not None else None
     try:
-        outcome = execute(plan, study, evaluator or plan_evaluator(plan), on_trial=on_trial, on_start=on_start, started_s=started_s)
+        if plan.gpus:
+            from autotune.workers import run_workers
+
+            outcome = run_workers(study, plan.storage, [f"cuda:{gpu}" for gpu in plan.gpus], plan.memory_ceiling_bytes,
+                                  n_trials=plan.settings.n_trials, on_start=on_start, on_trial=on_trial)
+            studies.record_stop(study, outcome.stopped_because)
+        else:
+            outcome = execute(plan, study, evaluator or plan_evaluator(plan), on_trial=on_trial, on_start=on_start,
+                              started_s=started_s)
     except KeyboardInterrupt:
         _write_outputs(load_result(plan.study_name, plan.storage, stopped_because="interrupted"), report_path, best_json)
         raise

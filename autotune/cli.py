@@ -26,6 +26,7 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
         ("autotune run --model ./my-model --effective-batch-size 64 --output best.json", "keep bs x accum = 64"),
         ("autotune run --space quick --n-trials 10", "a quick look with the small built-in space"),
         ("autotune run --model ./my-model --dataset train.jsonl --text-column text", "probe on real data (tokenised in the workers)"),
+        ("autotune run --model polyglot-ko-1.3b --gpus 0,1,2,3 --budget 30m", "one worker per GPU, one search (a journal file study)"),
     ],
     "estimate": [
         ("autotune estimate --model polyglot-ko-1.3b --seq-len 1024", "predicted peak memory and largest batch, on an 80 GiB card"),
@@ -49,6 +50,12 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
         ("autotune export my-study --format json > best.json", "TrainingArguments JSON (HfArgumentParser reads it)"),
         ("autotune export my-study --format python", "the TrainingArguments(...) call to paste into a script"),
     ],
+    "worker": [
+        ("autotune worker --storage postgresql://tuner@db.internal/autotune --study my-study",
+         "join a study from another machine (its first GPU), until the study's shared budget ends"),
+        ("autotune worker --storage postgresql://tuner@db.internal/autotune --study my-study --gpus all",
+         "one worker per GPU of this machine"),
+    ],
     "list": [("autotune list", "studies in ./autotune.db"), ("autotune list --storage sqlite:///runs.db", "another storage")],
 }
 
@@ -61,7 +68,7 @@ def _epilog(command: str) -> str:
 
 
 def _add_run(sub: argparse._SubParsersAction) -> None:
-    from autotune.api import DEFAULT_MODEL, DEFAULT_SEQ_LEN
+    from autotune.api import DEFAULT_MODEL, DEFAULT_SEQ_LEN, WORKERS_STORAGE
     from autotune.studies import DEFAULT_STORAGE
 
     p = sub.add_parser(
@@ -79,7 +86,11 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--effective-batch-size", type=int, default=None, help="keep batch x accumulation = N")
     p.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN, help=f"tokens per sample (default: {DEFAULT_SEQ_LEN})")
     p.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu (default: auto)")
-    p.add_argument("--storage", default=DEFAULT_STORAGE, help=f"Optuna storage URL (default: {DEFAULT_STORAGE})")
+    p.add_argument("--storage", default=None,
+                   help=f"sqlite:///FILE, postgresql://user@host/db, journal:///FILE.log or another Optuna storage URL "
+                   f"(default: {DEFAULT_STORAGE}; with --gpus {WORKERS_STORAGE})")
+    p.add_argument("--gpus", default=None,
+                   help="one worker per GPU on this machine, one search: 0,1,2,3 or all (default: one probe at a time on --device)")
     p.add_argument("--study", default=None, help="study name; the same name resumes (default: from model/seq-len/device)")
     p.add_argument("--output", "-o", default=None, help="write the best configuration as TrainingArguments JSON")
     p.add_argument("--report-dir", default="reports", help="where <study>.html goes (default: reports)")
@@ -148,6 +159,57 @@ def cmd_run(args: argparse.Namespace) -> int:
         return EXIT_TERMINATED if received_sigterm() else EXIT_INTERRUPTED
     if result.best is None:
         raise no_result_error(result)  # nothing fits (exit 3), or no probe finished (exit 4)
+    return 0
+
+
+def _add_worker(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "worker", help="join a running study: probe on this machine's GPU(s) too",
+        description="Join a study that `autotune run` made (on a storage every machine reaches: PostgreSQL, or a journal "
+        "file on a shared disk) and probe configurations for it until its shared budget ends. The run's options come from "
+        "the study; the device must be of the study's kind.",
+        epilog=_epilog("worker"), formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--storage", required=True, help="the storage of the study (the URL `autotune run` used)")
+    p.add_argument("--study", required=True, help="the study name (see `autotune list`)")
+    p.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu (default: auto)")
+    p.add_argument("--gpus", default=None, help="one worker per GPU of this machine: 0,1 or all")
+    p.add_argument("--budget", default=None, help="work this long (default: until the study's shared budget ends)")
+    p.add_argument("--n-trials", type=int, default=None, help="at most this many exploring probes")
+    p.add_argument("--quiet", action="store_true", help="no progress display (what `autotune run --gpus` starts)")
+    p.set_defaults(func=cmd_worker)
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    import autotune.studies as studies
+    from autotune.api import plan_run, run_plan
+    from autotune.console import LiveProgress
+    from autotune.workers import PARENT_RUN_ENV, options_for_worker, parse_gpus, run_workers, worker_command
+
+    if os.environ.get(PARENT_RUN_ENV):  # started by `autotune run --gpus`: end with it, even if it is kill -9'd
+        from autotune.probe.lifetime import die_with_parent
+
+        die_with_parent()
+    study = studies.load_existing(args.study, args.storage)
+    settings = {**studies.settings_of(study), "deadline_unix_s": studies.deadline_unix_s(study)}
+    gpus = parse_gpus(args.gpus)
+    if gpus is not None:  # one worker process per GPU, each of them this command with --device cuda:N
+        outcome = run_workers(study, args.storage, [f"cuda:{gpu}" for gpu in gpus], int(settings["memory_ceiling_bytes"]),
+                              command=lambda device: worker_command(args.storage, args.study, device, n_trials=args.n_trials))
+        return EXIT_TERMINATED if received_sigterm() else EXIT_INTERRUPTED if outcome.stopped_because == "interrupted" else 0
+    options = options_for_worker(settings, storage=args.storage, study=args.study, device=args.device, budget=args.budget,
+                                 n_trials=args.n_trials, seed_offset=1 + os.getpid() % 10_000)
+    plan = plan_run(options)
+    console = Console(highlight=False, quiet=args.quiet)
+    live = LiveProgress(console, budget_s=plan.settings.budget_s, n_trials=plan.settings.n_trials, ceiling_bytes=plan.memory_ceiling_bytes)
+    with live:
+        done = run_plan(plan, on_start=live.on_start, on_trial=live.on_trial, report_dir=None, command=None, join=True)
+    console.print(f"worker done: {done.search.probes_run} probes ({done.search.stopped_because}); "
+                  f"`autotune report {args.study} --storage ...` shows the whole study")
+    if done.search.stopped_because == "interrupted":
+        return EXIT_TERMINATED if received_sigterm() else EXIT_INTERRUPTED
     return 0
 
 
@@ -376,6 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"autotune {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_run(sub)
+    _add_worker(sub)
     _add_estimate(sub)
     _add_replay(sub)
     if _checkout_bench().is_file():  # a repository tool: the installed package does not ship bench/

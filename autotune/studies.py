@@ -223,9 +223,12 @@ def mismatch(existing: dict[str, Any], settings: dict[str, Any], must_match: Seq
     for key in must_match:
         if existing.get(key) != settings.get(key):
             return f"was made with a different {key.replace('_sha1', '')}"
-    measured_on, now_on = (existing.get("device") or {}).get("name"), (settings.get("device") or {}).get("name")
-    if measured_on != now_on:
-        return f"was measured on {measured_on}, not {now_on}"
+    before, now = existing.get("device") or {}, settings.get("device") or {}
+    if before.get("name") != now.get("name"):
+        return f"was measured on {before.get('name')}, not {now.get('name')}"
+    memory_before, memory_now = before.get("total_memory_bytes"), now.get("total_memory_bytes")
+    if before.get("kind") == "cuda" and memory_before and memory_now and memory_before != memory_now:
+        return f"was measured on a {memory_before / 2**30:.1f} GiB {before.get('name')}, not a {memory_now / 2**30:.1f} GiB one"
     return None
 
 

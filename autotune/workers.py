@@ -1,0 +1,200 @@
+"""Several workers, one search: ``autotune run --gpus 0,1,2,3`` and ``autotune worker``.
+
+Optuna is the distributed engine: every worker is an ordinary ``autotune worker`` process that
+opens the same study and runs the same loop (:func:`autotune.search.loop.run_search`), which claims
+each configuration in the storage before probing it and syncs what the others measured, so N
+workers are one search with N probes in flight. Nothing here schedules anything:
+
+* ``autotune run --gpus LIST`` creates the study (as a single run would), stores when the shared
+  budget ends (:func:`autotune.studies.record_deadline`), starts one ``autotune worker`` per GPU
+  (``--device cuda:N``), follows the study to show one progress display, and writes the report
+  and best.json when they are done. It runs no probe itself.
+* ``autotune worker --storage URL --study NAME`` joins a study from any machine that reaches the
+  storage: it rebuilds the run's options from the study (:func:`options_for_worker`), refuses a
+  device of another kind, and works until the shared deadline (or its own ``--budget`` or
+  ``--n-trials``).
+
+Ctrl-C reaches every process of the terminal's group; SIGTERM to the ``run`` is passed on to its
+workers; each stops like a single run (the probe in flight recorded as interrupted). A worker
+started by ``run`` dies with it (:func:`autotune.probe.lifetime.die_with_parent`).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import optuna
+
+import autotune.studies as studies
+from autotune.errors import DeviceError, UsageError
+from autotune.params import TrialParams
+from autotune.search.loop import SearchOutcome, TrialRecord
+from autotune.space import SearchSpace
+
+PARENT_RUN_ENV = "AUTOTUNE_PARENT_RUN"  # set for workers that `autotune run --gpus` starts: they die with it
+FOLLOW_POLL_S = 1.0
+MAX_GPUS = 64
+
+
+def parse_gpus(value: str | Sequence[int] | None) -> list[int] | None:
+    """``"0,1,3"`` / ``[0, 1]`` -> GPU numbers as this process sees them; ``"all"``: every visible GPU.
+
+    Raises:
+        UsageError: not a list of distinct non-negative numbers.
+        DeviceError: ``all`` and no GPU is visible.
+    """
+    if value is None:
+        return None
+    if isinstance(value, str) and value.strip() == "all":
+        from autotune.probe.device import detect_device
+
+        count = 0
+        while count < MAX_GPUS:
+            try:
+                if not detect_device(f"cuda:{count}").is_cuda:
+                    break
+            except DeviceError:
+                break
+            count += 1
+        if count == 0:
+            raise DeviceError("--gpus all found no GPU: use --device cpu without --gpus, or install a CUDA build of torch")
+        return list(range(count))
+    words = value.split(",") if isinstance(value, str) else list(value)
+    try:
+        gpus = [int(str(w).strip()) for w in words]
+    except ValueError:
+        raise UsageError(f"--gpus {value!r} is not a list of GPU numbers: use e.g. --gpus 0,1,2,3 or --gpus all") from None
+    if not gpus or min(gpus) < 0 or len(set(gpus)) != len(gpus):
+        raise UsageError(f"--gpus {value!r} must name distinct GPU numbers: use e.g. --gpus 0,1,2,3 or --gpus all")
+    return gpus
+
+
+def options_for_worker(
+    settings: dict[str, Any], *, storage: str, study: str, device: str, budget: str | float | None, n_trials: int | None,
+    seed_offset: int,
+) -> Any:
+    """The :class:`~autotune.api.RunOptions` of the run that made a study, for a worker that joins it.
+
+    The budget is the time left to the study's shared deadline unless ``budget`` or ``n_trials`` is given.
+
+    Raises:
+        UsageError: the study was not made by this version's ``autotune run`` (no probe settings), or
+            its shared budget has ended and neither ``budget`` nor ``n_trials`` is given.
+    """
+    from autotune.api import RunOptions
+
+    probe = settings.get("probe")
+    if not probe or not settings.get("space"):
+        raise UsageError(f"study {study!r} does not record its run's probe settings (made by an older autotune?): "
+                         "start a new study with `autotune run`")
+    if budget is None and n_trials is None:
+        deadline = settings.get("deadline_unix_s")
+        left_s = deadline - time.time() if deadline else 0.0
+        if left_s <= 1.0:
+            raise UsageError(f"the shared budget of study {study!r} has ended: give --budget (e.g. 30m) or --n-trials to work on")
+        budget = left_s
+    dataset = settings.get("dataset") or {}
+    return RunOptions(
+        model=settings["model"], budget=budget, n_trials=n_trials, space=SearchSpace.from_dict(settings["space"]),
+        memory_ceiling=int(settings["memory_ceiling_bytes"]), effective_batch_size=settings.get("effective_batch_size"),
+        seq_len=int(settings["seq_len"]), device=device, storage=storage, study=study,
+        seed=int(probe.get("seed", 0)) + seed_offset, trial_timeout=probe.get("trial_timeout_s", "15m"),
+        warmup_steps=int(probe.get("warmup_steps", 3)), measure_steps=int(probe.get("measure_steps", 8)),
+        dataset=dataset.get("path"), text_column=dataset.get("text_column", "text"), tokenizer=dataset.get("tokenizer"),
+        strategy=settings.get("strategy") or "bayes", isolation=probe.get("isolation", "fork"),
+    )
+
+
+def worker_command(storage: str, study: str, device: str, *, n_trials: int | None = None) -> list[str]:
+    """The command line of one worker (``python -m autotune.cli worker ...``), quiet: the run shows progress."""
+    command = [sys.executable, "-m", "autotune.cli", "worker", "--storage", storage, "--study", study, "--device", device, "--quiet"]
+    if n_trials is not None:
+        command += ["--n-trials", str(n_trials)]
+    return command
+
+
+def _records(trials: list[optuna.trial.FrozenTrial], ceiling_bytes: int, shown: set[int]) -> list[TrialRecord]:
+    """The probes finished since the last look, as progress records."""
+    by_number = {t.number: t for t in trials}
+    records = []
+    for probe in studies.probes_in(trials):
+        if probe.number in shown:
+            continue
+        shown.add(probe.number)
+        attrs = by_number[probe.number].user_attrs
+        records.append(TrialRecord(
+            number=probe.number, params=probe.params, result=probe.result, feasible=probe.result.fits(ceiling_bytes),
+            is_baseline=attrs.get(studies.ATTR_ROLE) == studies.ROLE_BASELINE, remeasure_of=attrs.get(studies.ATTR_REMEASURE_OF),
+        ))
+    return records
+
+
+def run_workers(
+    study: optuna.Study,
+    storage: str,
+    devices: Sequence[str],
+    ceiling_bytes: int,
+    *,
+    n_trials: int | None = None,
+    on_start: Callable[[int, TrialParams], None] | None = None,
+    on_trial: Callable[[TrialRecord], None] | None = None,
+    command: Callable[[str], list[str]] | None = None,
+) -> SearchOutcome:
+    """Start one worker per device on ``study`` and follow the study until all have ended.
+
+    ``command(device)`` gives a worker's command line (default :func:`worker_command`). Ctrl-C or
+    SIGTERM (a :class:`KeyboardInterrupt`) is passed on to the workers, which stop as a single run
+    does; their exit is awaited, and the search counts as interrupted.
+
+    Returns:
+        The search's outcome as the progress display saw it (probes, re-measures, OOM probes).
+    """
+    make = command or (lambda device: worker_command(storage, study.study_name, device, n_trials=n_trials))
+    env = {**os.environ, PARENT_RUN_ENV: str(os.getpid())}
+    procs = [subprocess.Popen(make(device), env=env, stdin=subprocess.DEVNULL) for device in devices]
+    outcome = SearchOutcome(stopped_because="n_trials" if n_trials is not None else "budget")
+    shown: set[int] = {p.number for p in studies.probes_in(studies.read_trials(study))}  # resumed ones are not news
+    started: set[int] = set()
+
+    def follow() -> None:
+        trials = studies.read_trials(study)
+        for trial in trials:
+            if trial.state == optuna.trial.TrialState.RUNNING and trial.number not in started and on_start:
+                params = trial.user_attrs.get(studies.ATTR_PARAMS)
+                if params:
+                    started.add(trial.number)
+                    on_start(trial.number, TrialParams.from_dict(params))
+        for record in _records(trials, ceiling_bytes, shown):
+            outcome.records.append(record)
+            outcome.probes_run += 1
+            outcome.remeasures += record.remeasure_of is not None
+            outcome.oom_probes += record.result.status.value == "oom"
+            if on_trial:
+                on_trial(record)
+
+    try:
+        while any(p.poll() is None for p in procs):
+            follow()
+            time.sleep(FOLLOW_POLL_S)
+    except KeyboardInterrupt:
+        outcome.stopped_because = "interrupted"
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)  # a Ctrl-C reached them already; SIGTERM may not have
+        for proc in procs:
+            proc.wait()
+    follow()
+    codes = [p.returncode for p in procs]
+    if any(code in (130, 143) for code in codes):
+        outcome.stopped_because = "interrupted"
+    failed = [(device, code) for device, code in zip(devices, codes) if code not in (0, 130, 143, 3, 4)]
+    if failed:
+        raise UsageError("worker(s) failed: " + ", ".join(f"{device} exited with {code}" for device, code in failed)
+                         + ": run `autotune worker --storage ... --study ... --device DEVICE` alone to see why")
+    return outcome
