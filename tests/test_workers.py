@@ -144,10 +144,15 @@ def _kill_mid_probe(storage: str, name: str, tmp_path: Path, space: SearchSpace,
     return dict(json.loads(hang.read_text()))
 
 
+FAULT_STORAGES = ["sqlite", "postgres"]  # fault injection on a file and on a server
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("storage", FAULT_STORAGES, indirect=True)
 @pytest.mark.parametrize("host", ["this host", "another host"])
-def test_a_killed_worker_is_failed_and_its_configuration_probed_once_more(host: str, quick: SearchSpace, tmp_path: Path) -> None:
-    storage = f"sqlite:///{tmp_path / 'study.db'}"
+def test_a_killed_worker_is_failed_and_its_configuration_probed_once_more(
+    storage: str, host: str, quick: SearchSpace, tmp_path: Path
+) -> None:
     name = _new_study(storage)
     # It runs the baseline, then hangs in its second probe. On another host only the heartbeat tells it died.
     owner = ["--owner", "elsewhere:12345"] if host == "another host" else []
@@ -172,8 +177,8 @@ def test_a_killed_worker_is_failed_and_its_configuration_probed_once_more(host: 
 
 
 @pytest.mark.slow
-def test_a_run_killed_during_the_baseline_runs_it_again_on_resume(quick: SearchSpace, tmp_path: Path) -> None:
-    storage = f"sqlite:///{tmp_path / 'study.db'}"
+@pytest.mark.parametrize("storage", FAULT_STORAGES, indirect=True)
+def test_a_run_killed_during_the_baseline_runs_it_again_on_resume(storage: str, quick: SearchSpace, tmp_path: Path) -> None:
     name = _new_study(storage)
     hung = _kill_mid_probe(storage, name, tmp_path, quick, "--hang-after", "0")
     study = open_study(storage, name)
