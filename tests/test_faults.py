@@ -220,3 +220,22 @@ def test_unwritable_outputs_are_refused_before_the_run(tmp_path, flag) -> None:
                                      storage=f"sqlite:///{tmp_path / 'a.db'}", n_trials=1)),
                  evaluator=FakeEvaluator(), report_dir=target if flag == "--report-dir" else None,
                  best_json=target if flag == "--output" else None)
+
+
+@pytest.mark.slow
+def test_a_probe_killed_with_its_loader_workers_leaks_no_semaphores(tmp_path) -> None:
+    """A probe forked from the probe server used to start its DataLoader workers the server's way
+    (forkserver), whose named semaphores the run's resource tracker then reported as leaked at exit."""
+    script = """
+from autotune.models import resolve_model
+from autotune.params import TrialParams
+from autotune.probe.isolation import run_isolated
+from autotune.records import ProbeSpec
+spec = ProbeSpec(model=resolve_model("tiny-gptneox").to_dict(), seq_len=32, device="cpu", warmup_steps=1,
+                 params=TrialParams(per_device_train_batch_size=4, dataloader_num_workers=2),
+                 measure_steps=10_000, max_measure_steps=20_000, max_measure_s=600)
+print(run_isolated(spec, timeout_s=12).status.value)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.stdout.strip() == "timeout", done.stderr  # killed at its deadline, workers and all
+    assert "leaked semaphore" not in done.stderr, done.stderr
