@@ -107,7 +107,22 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
         "(a new interpreter each; slower) (default: fork)",
     )
     _add_strategy_flag(p)
+    _add_peft_flags(p)
     p.set_defaults(func=cmd_run)
+
+
+def _add_peft_flags(p: argparse.ArgumentParser, *, dropout: bool = True) -> None:
+    from autotune.lora import DEFAULT_LORA_ALPHA, DEFAULT_LORA_DROPOUT, DEFAULT_LORA_R
+
+    p.add_argument("--peft", default=None,
+                   help="train LoRA adapters on a frozen base (pip install 'autotune[lora]'); qlora: on a 4-bit base "
+                   "(CUDA and bitsandbytes) (default: train every weight)")
+    p.add_argument("--lora-r", type=int, default=None, help=f"the adapters' rank, not tuned (default: {DEFAULT_LORA_R}, peft's)")
+    p.add_argument("--lora-alpha", type=float, default=None, help=f"LoRA alpha, updates scaled by alpha/r (default: {DEFAULT_LORA_ALPHA:g}, peft's)")
+    if dropout:
+        p.add_argument("--lora-dropout", type=float, default=None, help=f"dropout on the adapters' input (default: {DEFAULT_LORA_DROPOUT:g})")
+    p.add_argument("--lora-target-modules", default=None,
+                   help="comma-separated module names to wrap, e.g. q_proj,v_proj (default: peft's for the architecture)")
 
 
 def _add_strategy_flag(p: argparse.ArgumentParser) -> None:
@@ -184,7 +199,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     import autotune.studies as studies
-    from autotune.api import plan_run, run_plan
+    from autotune.api import RunOptions, plan_run, run_plan
     from autotune.console import LiveProgress
     from autotune.workers import PARENT_RUN_ENV, options_for_worker, parse_gpus, run_workers, worker_command
 
@@ -201,7 +216,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         return EXIT_TERMINATED if received_sigterm() else EXIT_INTERRUPTED if outcome.stopped_because == "interrupted" else 0
     options = options_for_worker(settings, storage=args.storage, study=args.study, device=args.device, budget=args.budget,
                                  n_trials=args.n_trials, seed_offset=1 + os.getpid() % 10_000)
-    plan = plan_run(options)
+    plan = plan_run(RunOptions(**options))
     console = Console(highlight=False, quiet=args.quiet)
     live = LiveProgress(console, budget_s=plan.settings.budget_s, n_trials=plan.settings.n_trials, ceiling_bytes=plan.memory_ceiling_bytes)
     with live:
@@ -229,6 +244,7 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--attn", default="sdpa", help="attention implementation assumed: eager, sdpa, flash_attention_2, flash_attention_3 "
                    "or flex_attention (default: sdpa)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    _add_peft_flags(p, dropout=False)
     p.set_defaults(func=cmd_estimate)
 
 
@@ -239,12 +255,18 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     from autotune.units import format_bytes, parse_bytes
 
     estimate = estimate_table(args.model, seq_len=args.seq_len, device_memory_bytes=parse_bytes(args.device_memory),
-                              space=args.space, attn_implementation=args.attn)
+                              space=args.space, attn_implementation=args.attn, peft=args.peft, lora_r=args.lora_r,
+                              lora_alpha=args.lora_alpha, lora_target_modules=args.lora_target_modules)
     if args.json:
         print(json.dumps(estimate.to_dict()))
         return 0
     print(f"{estimate.model}: {estimate.num_parameters:,} parameters, seq-len {estimate.seq_len}, attention {estimate.attn_implementation}, "
           f"fits in {format_bytes(estimate.device_memory_bytes)}")
+    if estimate.peft is not None:
+        quantized = f", {estimate.quantized_parameters:,} of them in 4 bits" if estimate.quantized_parameters else ""
+        print(f"{estimate.peft}: {estimate.trainable_parameters:,} trainable ({estimate.trainable_parameters / estimate.num_parameters:.3%}), "
+              f"{estimate.num_parameters - estimate.trainable_parameters:,} frozen{quantized}: "
+              "no gradient or optimizer state for the frozen ones")
     header = f"{'precision':<9} {'optim':<20} {'ckpt':<5} {'static':>10} {'per sample':>11} {'largest batch':>14} {'peak at it':>11}"
     print(header)
     print("-" * len(header))
@@ -398,7 +420,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.format == "python":
         print(training_arguments_code(result), end="")
     else:
-        print(json.dumps(result.best_kwargs(), indent=2))
+        print(json.dumps(result.best_json(), indent=2))
     return 0
 
 

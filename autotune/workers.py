@@ -78,8 +78,8 @@ def parse_gpus(value: str | Sequence[int] | None) -> list[int] | None:
 def options_for_worker(
     settings: dict[str, Any], *, storage: str, study: str, device: str, budget: str | float | None, n_trials: int | None,
     seed_offset: int,
-) -> Any:
-    """The :class:`~autotune.api.RunOptions` of the run that made a study, for a worker that joins it.
+) -> dict[str, Any]:
+    """The :class:`~autotune.api.RunOptions` (as keywords) of the run that made a study, for a worker that joins it.
 
     The budget is the time left to the study's shared deadline unless ``budget`` or ``n_trials`` is given.
 
@@ -87,8 +87,6 @@ def options_for_worker(
         UsageError: the study was not made by this version's ``autotune run`` (no probe settings), or
             its shared budget has ended and neither ``budget`` nor ``n_trials`` is given.
     """
-    from autotune.api import RunOptions
-
     probe = settings.get("probe")
     if not probe or not settings.get("space"):
         raise UsageError(f"study {study!r} does not record its run's probe settings (made by an older autotune?): "
@@ -100,7 +98,9 @@ def options_for_worker(
             raise UsageError(f"the shared budget of study {study!r} has ended: give --budget (e.g. 30m) or --n-trials to work on")
         budget = left_s
     dataset = settings.get("dataset") or {}
-    return RunOptions(
+    peft = settings.get("peft") or {}
+    targets = peft.get("target_modules")
+    return dict(
         model=settings["model"], budget=budget, n_trials=n_trials, space=SearchSpace.from_dict(settings["space"]),
         memory_ceiling=int(settings["memory_ceiling_bytes"]), effective_batch_size=settings.get("effective_batch_size"),
         seq_len=int(settings["seq_len"]), device=device, storage=storage, study=study,
@@ -108,6 +108,8 @@ def options_for_worker(
         warmup_steps=int(probe.get("warmup_steps", 3)), measure_steps=int(probe.get("measure_steps", 8)),
         dataset=dataset.get("path"), text_column=dataset.get("text_column", "text"), tokenizer=dataset.get("tokenizer"),
         strategy=settings.get("strategy") or "bayes", isolation=probe.get("isolation", "fork"),
+        peft=peft.get("method"), lora_r=peft.get("r"), lora_alpha=peft.get("alpha"), lora_dropout=peft.get("dropout"),
+        lora_target_modules=list(targets) if targets else None,
     )
 
 

@@ -55,7 +55,7 @@ def test_a_worker_rebuilds_the_run_from_the_study_and_its_deadline(tmp_path) -> 
     study = open_study(plan)
     settings = {**studies.settings_of(study), "deadline_unix_s": time.time() + 600}
     options = options_for_worker(settings, storage=storage, study="s", device="cpu", budget=None, n_trials=None, seed_offset=3)
-    joined = plan_run(options)
+    joined = plan_run(RunOptions(**options))
     assert joined.study_name == "s" and joined.space.to_dict() == plan.space.to_dict()
     assert joined.seq_len == 32 and joined.warmup_steps == 1 and joined.settings.trial_timeout_s == 120
     assert joined.settings.seed == 8 and 590 < joined.settings.budget_s <= 600  # the study's deadline, not its own
@@ -67,7 +67,7 @@ def test_a_worker_rebuilds_the_run_from_the_study_and_its_deadline(tmp_path) -> 
     other = DeviceInfo(kind="cpu", name="CPU: another machine (64 cores)", total_memory_bytes=plan.device.total_memory_bytes)
     before = len(study.trials)
     with pytest.raises(UsageError, match="was measured on CPU"):
-        open_study(plan_run(RunOptions(**{**options.__dict__, "device": other})))
+        open_study(plan_run(RunOptions(**{**options, "device": other})))
     assert len(optuna.load_study(study_name="s", storage=storage).trials) == before
 
 
