@@ -47,7 +47,7 @@ CEILING_SAFETY_FRACTION = 0.95  # leave 5% of the device below the ceiling for t
 # --isolation: how each probe's process starts -> autotune.probe.isolation's mode.
 ISOLATION_MODES: dict[str, IsolationMode] = {"fork": "forkserver", "cold": "cold"}
 # A resumed study must agree on these (the memory ceiling may change; the device is checked by name).
-_MUST_MATCH = ("model_config_sha1", "seq_len", "space", "effective_batch_size", "dataset")
+_MUST_MATCH = ("model_config_sha1", "seq_len", "space", "effective_batch_size", "dataset", "peft")
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,15 @@ class RunOptions:
         gpus: one worker per GPU on this machine, all on one study (``"0,1,2,3"``, ``[0, 1]`` or
             ``"all"``; :mod:`autotune.workers`); the storage then defaults to a journal file
             (:data:`WORKERS_STORAGE`), which several processes share safely without a server.
+        peft: ``"lora"``: train LoRA adapters on a frozen base (the ``peft`` library, ``pip install
+            'autotune[lora]'``); ``"qlora"``: the same on a base loaded in 4 bits (needs CUDA and
+            bitsandbytes); None: train every weight. The adapters are the user's choice, not tuned,
+            and part of the study's identity (:mod:`autotune.lora`).
+        lora_r: the adapters' rank (default 8, peft's).
+        lora_alpha: LoRA's alpha, the update scaled by alpha / r (default 8, peft's).
+        lora_dropout: dropout on the adapters' input (default 0, peft's).
+        lora_target_modules: module names to wrap (``"q_proj,v_proj"`` or a list); default: peft's
+            default for the architecture.
     """
 
     model: str = DEFAULT_MODEL
@@ -111,6 +120,11 @@ class RunOptions:
     strategy: str = DEFAULT_STRATEGY
     isolation: str = "fork"
     gpus: str | Sequence[int] | None = None
+    peft: str | None = None
+    lora_r: int | None = None
+    lora_alpha: float | None = None
+    lora_dropout: float | None = None
+    lora_target_modules: str | Sequence[str] | None = None
 
     @classmethod
     def of(cls, **values: Any) -> RunOptions:
@@ -147,6 +161,8 @@ class RunPlan:
     strategy: str = DEFAULT_STRATEGY
     isolation: str = "fork"  # a key of ISOLATION_MODES
     gpus: list[int] | None = None  # one worker process per GPU (autotune.workers); None: probe here
+    peft: Any = None  # autotune.lora.LoraSettings; None: every weight is trained
+    parameters: Any = None  # autotune.lora.ParameterCounts of the model as trained (with peft); None: all trainable
 
     def study_attrs(self, command: str | None) -> dict[str, Any]:
         from autotune.models import count_parameters
@@ -165,6 +181,8 @@ class RunPlan:
             "baseline": self.baseline.to_dict(),
             "dataset": self.dataset.to_dict() if self.dataset else None,
             "strategy": self.strategy,
+            "peft": self.peft.to_dict() if self.peft else None,
+            "parameters": self.parameters.to_dict() if self.parameters else None,
             # What a worker joining from elsewhere needs to probe exactly as this run does (autotune.workers).
             "probe": {
                 "warmup_steps": self.warmup_steps, "measure_steps": self.measure_steps,
@@ -191,9 +209,11 @@ def package_versions() -> dict[str, str]:
     return versions
 
 
-def default_study_name(model: str, seq_len: int, device: DeviceInfo, effective_batch_size: int | None) -> str:
+def default_study_name(model: str, seq_len: int, device: DeviceInfo, effective_batch_size: int | None, peft: Any = None) -> str:
     name = Path(model).name if Path(model).is_dir() else model.replace("/", "--")
     suffix = f"-ebs{effective_batch_size}" if effective_batch_size else ""
+    if peft is not None:  # a LoraSettings: the rank is in the name, other adapter settings in the hash if they clash
+        suffix += f"-{peft.method}-r{peft.r}"
     return f"{name}-seq{seq_len}-{device.kind}{suffix}"
 
 
@@ -261,6 +281,10 @@ def plan_run(options: RunOptions) -> RunPlan:
         model_supports_sdpa=supports_sdpa,
         model_supports_flash=supports_flash,
     )
+    if device_info.is_cuda:  # a CPU probe gains nothing from huge batches; a large GPU may fit far more than 128
+        # Bounded by the device's memory, not the ceiling: a resumed study may change its ceiling, not its space.
+        restricted = restricted.with_batches_up_to(
+            largest_lean_batch(model_spec, seq_len, device_info.total_memory_bytes, restricted))
     baseline = restricted.baseline()
     if not supports_sdpa:
         baseline = baseline.replace(attn_implementation="eager")
@@ -268,7 +292,8 @@ def plan_run(options: RunOptions) -> RunPlan:
     # everywhere (fp32, no compile, fused AdamW on CPU and CUDA, sdpa only where supported).
     restricted = restricted.including(baseline)
     dataset_spec = _dataset_spec(options.dataset, options.text_column, options.tokenizer, model_spec)
-    study_name = options.study or default_study_name(options.model, seq_len, device_info, options.effective_batch_size)
+    lora, counts = _peft_plan(options, model_spec, device_info)
+    study_name = options.study or default_study_name(options.model, seq_len, device_info, options.effective_batch_size, lora)
     plan = RunPlan(
         model=model_spec,
         device=device_info,
@@ -288,6 +313,8 @@ def plan_run(options: RunOptions) -> RunPlan:
         strategy=options.strategy,
         isolation=options.isolation,
         gpus=gpus,
+        peft=lora,
+        parameters=counts,
     )
     if gpus and not isinstance(plan.storage, str):
         raise UsageError("--gpus starts worker processes, which open the storage by its URL: pass storage as a URL "
@@ -295,6 +322,48 @@ def plan_run(options: RunOptions) -> RunPlan:
     if options.study is None:
         plan = dataclasses.replace(plan, study_name=_own_study_name(plan))
     return plan
+
+
+def _peft_plan(options: RunOptions, model: Any, device: DeviceInfo) -> tuple[Any, Any]:
+    """``--peft`` and ``--lora-*`` checked, and the model's parameters counted with its adapters on the
+    meta device (so target modules it does not have fail now): (LoraSettings, ParameterCounts), or
+    (None, None) without ``--peft``.
+
+    Raises:
+        UsageError: see :func:`autotune.lora.lora_settings` and :func:`autotune.lora.apply_lora`.
+    """
+    from autotune.lora import lora_settings, parameter_counts
+
+    settings = lora_settings(options.peft, r=options.lora_r, alpha=options.lora_alpha, dropout=options.lora_dropout,
+                             target_modules=options.lora_target_modules, device=device)
+    if settings is None:
+        return None, None
+    return settings, parameter_counts(model, settings)
+
+
+def largest_lean_batch(model: Any, seq_len: int, ceiling_bytes: int, space: SearchSpace, limit: int = 1 << 16) -> int:
+    """The largest batch size the memory model predicts fits under the ceiling for the leanest
+    configuration of ``space`` (checkpointing, a 16-bit precision, the smallest optimizer state, a
+    fused attention kernel, where the space allows them): no configuration of the space fits a
+    larger one, so it bounds the batch sizes worth adding (:meth:`SearchSpace.with_batches_up_to`)."""
+    from autotune.search.memory import ModelDims, predict_peak_bytes, static_memory
+
+    dims = ModelDims.from_spec(model)
+    choices = space.choices
+    precision = next((p for p in ("bf16", "fp16") if p in choices["precision"]), choices["precision"][0])
+    optim = min(choices["optim"], key=lambda o: static_memory(dims, precision, o).total_bytes)
+    attention = next((a for a in ("flash_attention_2", "flash_attention_3", "sdpa") if a in choices["attn_implementation"]),
+                     choices["attn_implementation"][0])
+    lean = TrialParams(precision=precision, optim=optim, attn_implementation=attention,
+                       gradient_checkpointing=True in choices["gradient_checkpointing"])
+    low, high = 0, limit  # the largest b with a predicted peak under the ceiling, by bisection (peak grows with b)
+    while low < high:
+        middle = (low + high + 1) // 2
+        if predict_peak_bytes(dims, lean.replace(per_device_train_batch_size=middle), seq_len) <= ceiling_bytes:
+            low = middle
+        else:
+            high = middle - 1
+    return low
 
 
 def _same_kind_gpus(gpus: list[int], device: str | DeviceInfo) -> DeviceInfo:
@@ -386,6 +455,7 @@ def plan_evaluator(plan: RunPlan) -> Evaluator:
         mode=ISOLATION_MODES[plan.isolation],
         device_uuid=plan.device.uuid if plan.device.is_cuda else None,
         owner_note={"study": plan.study_name, "storage": storage_id(plan.storage)},
+        peft=plan.peft.to_dict() if plan.peft else None,
     )
 
 
@@ -405,7 +475,7 @@ def execute(
     """
     from autotune.search.memory import MemoryModel, ModelDims
 
-    memory = MemoryModel(ModelDims.from_spec(plan.model), plan.seq_len)
+    memory = MemoryModel(ModelDims.from_spec(plan.model, counts=plan.parameters), plan.seq_len)
     settings = plan.settings
     if settings.budget_s:
         settings = dataclasses.replace(settings, budget_s=settings.budget_s - min(FINISH_RESERVE_S, 0.1 * settings.budget_s))
@@ -618,7 +688,8 @@ def tune(
             ``memory_ceiling``, ``effective_batch_size``, ``seq_len``, ``device``, ``storage``
             (default: ``sqlite:///<user_dir()>/autotune.db``), ``study``, ``seed``, ``trial_timeout``,
             ``warmup_steps``, ``measure_steps``, ``dataset``, ``text_column``, ``tokenizer``,
-            ``strategy``, ``isolation`` (each documented there).
+            ``strategy``, ``isolation``, ``peft``, ``lora_r``, ``lora_alpha``, ``lora_dropout``,
+            ``lora_target_modules`` (each documented there).
 
     Returns:
         The :class:`TuneResult`: ``best_training_arguments()``, ``best_params``, ``baseline``,

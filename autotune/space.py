@@ -62,6 +62,9 @@ class Dropped:
         return f"{self.param}={self.value}: {self.reason}"
 
 
+MAX_GROWN_BATCH = 4096  # the largest batch size a grown space adds (grow: memory)
+
+
 @dataclass(frozen=True)
 class SearchSpace:
     """Allowed values per parameter (ordered as in the file), plus an optional fixed effective batch size.
@@ -77,6 +80,9 @@ class SearchSpace:
     choices: dict[str, tuple[Any, ...]]
     effective_batch_size: int | None = None
     dropped: tuple[Dropped, ...] = field(default=())
+    # The batch-size rule's multiple_of when the file says ``grow: memory``: a run on a GPU adds larger
+    # batch sizes while the memory model says they can fit (:meth:`with_batches_up_to`); None: fixed.
+    grow_batches_by: int | None = None
 
     @property
     def free_params(self) -> tuple[str, ...]:
@@ -161,7 +167,26 @@ class SearchSpace:
         return cls(str(data.get("name", "")), choices, data.get("effective_batch_size"), tuple(dropped))
 
     def with_values(self, param: str, values: tuple[Any, ...]) -> SearchSpace:
-        return SearchSpace(self.name, {**self.choices, param: values}, self.effective_batch_size, self.dropped)
+        return SearchSpace(self.name, {**self.choices, param: values}, self.effective_batch_size, self.dropped, self.grow_batches_by)
+
+    def with_batches_up_to(self, largest_fitting: int, limit: int = MAX_GROWN_BATCH) -> SearchSpace:
+        """Batch sizes above the file's ``max``, up to ``largest_fitting`` (at most ``limit``), where the
+        rule says ``grow: memory``: a fixed maximum of 128 leaves a small model on a 141 GB card far
+        below what fits. Above the maximum the steps are powers of two and 1.5x them (192, 256, 384,
+        512, ...), multiples of the rule's ``multiple_of``, so the grid grows by a handful of values;
+        under a fixed effective batch size only divisors of it are added.
+        """
+        if self.grow_batches_by is None:
+            return self
+        current = self.choices["per_device_train_batch_size"]
+        top = max(current)
+        ladder = sorted({b for k in range(4, 16) for b in (2**k, 3 * 2 ** (k - 1))})
+        added = tuple(
+            b for b in ladder
+            if top < b <= min(largest_fitting, limit) and b % self.grow_batches_by == 0
+            and (not self.effective_batch_size or self.effective_batch_size % b == 0)
+        )
+        return self.with_values("per_device_train_batch_size", (*current, *added)) if added else self
 
     # ------------------------------------------------------------------ restriction
 
@@ -204,7 +229,7 @@ class SearchSpace:
                     "use a multiple of 8 such as 64, or list a divisor in per_device_train_batch_size"
                 )
             choices["per_device_train_batch_size"] = batch_sizes
-        return SearchSpace(self.name, choices, effective_batch_size, tuple(dropped))
+        return SearchSpace(self.name, choices, effective_batch_size, tuple(dropped), self.grow_batches_by)
 
 
 def _unrunnable_reason(
@@ -299,6 +324,7 @@ def parse_space(data: Any, *, name: str = "custom", source: str = "<space>") -> 
     problems: list[str] = []
     defaults = TrialParams().to_dict()
     choices: dict[str, tuple[Any, ...]] = {}
+    grow_batches_by: int | None = None
     for key in data:
         if key not in PARAM_NAMES:
             close = difflib.get_close_matches(str(key), PARAM_NAMES, n=1, cutoff=0.4)
@@ -311,6 +337,8 @@ def parse_space(data: Any, *, name: str = "custom", source: str = "<space>") -> 
         raw = data[param]
         if param == "per_device_train_batch_size" and isinstance(raw, dict):
             values, rule_problems = _batch_rule(raw)
+            if raw.get("grow") == "memory" and isinstance(raw.get("multiple_of", 8), int):
+                grow_batches_by = int(raw.get("multiple_of", 8))
             problems.extend(f"{param}: {p}" for p in rule_problems)
         elif isinstance(raw, list):
             values = raw
@@ -329,11 +357,14 @@ def parse_space(data: Any, *, name: str = "custom", source: str = "<space>") -> 
         choices[param] = tuple(checked)
     if problems:
         raise SearchSpaceError(f"{source} has {len(problems)} problem(s): " + "; ".join(problems))
-    return SearchSpace(name=name, choices=choices)
+    return SearchSpace(name=name, choices=choices, grow_batches_by=grow_batches_by)
 
 
 def _batch_rule(rule: dict[str, Any]) -> tuple[list[int], list[str]]:
-    problems = [f"unknown key {k!r} in batch-size rule (use multiple_of, max, small)" for k in rule if k not in ("multiple_of", "max", "small")]
+    keys = ("multiple_of", "max", "small", "grow")
+    problems = [f"unknown key {k!r} in batch-size rule (use {', '.join(keys)})" for k in rule if k not in keys]
+    if rule.get("grow", "none") not in ("memory", "none"):
+        problems.append(f"grow must be memory or none, got {rule.get('grow')!r}")
     multiple, maximum, small = rule.get("multiple_of", 8), rule.get("max"), rule.get("small", [])
     if not isinstance(multiple, int) or isinstance(multiple, bool) or multiple <= 0:
         problems.append(f"multiple_of must be a positive integer, got {multiple!r}")

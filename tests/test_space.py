@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from autotune.errors import SearchSpaceError, UsageError
@@ -92,3 +94,35 @@ def test_bad_yaml_and_missing_file(tmp_path) -> None:
         load_space(str(bad))
     with pytest.raises(SearchSpaceError, match="not found"):
         load_space(str(tmp_path / "nope.yaml"))
+
+
+def test_a_growing_batch_rule_adds_sizes_up_to_what_the_memory_model_says_fits() -> None:
+    from autotune.space import load_space
+
+    space = load_space("default")
+    assert space.grow_batches_by == 8 and max(space.choices["per_device_train_batch_size"]) == 128
+    grown = space.with_batches_up_to(600)
+    assert grown.choices["per_device_train_batch_size"][-4:] == (128, 192, 256, 384, 512)[-4:]
+    assert grown.size == space.size // len(space.choices["per_device_train_batch_size"]) * (len(space.choices["per_device_train_batch_size"]) + 4)
+    assert space.with_batches_up_to(100) == space  # nothing above the maximum fits: unchanged
+    assert max(space.with_batches_up_to(10**9).choices["per_device_train_batch_size"]) == 4096
+    fixed = load_space("quick")
+    assert fixed.grow_batches_by is None and fixed.with_batches_up_to(10**6) == fixed  # an explicit list stays
+    ebs = dataclasses.replace(space, effective_batch_size=768)
+    assert {b for b in ebs.with_batches_up_to(10**6).choices["per_device_train_batch_size"] if b > 128} == {192, 256, 384, 768}
+
+
+def test_a_gpu_run_grows_the_batch_sizes_of_a_small_model(monkeypatch) -> None:
+    import autotune.api as api
+    from autotune.api import RunOptions, plan_run
+    from autotune.records import DeviceInfo
+
+    h200 = DeviceInfo(kind="cuda", name="NVIDIA H200", total_memory_bytes=141 * 2**30, index=0, uuid="GPU-x")
+    plan = plan_run(RunOptions(model="pythia-160m", seq_len=512, device=h200, n_trials=1, budget=None))
+    batches = plan.space.choices["per_device_train_batch_size"]
+    assert max(batches) > 128 and all(b % 8 == 0 for b in batches if b > 128)
+    # The memory model's bound: the next step up does not fit even the leanest configuration.
+    largest = api.largest_lean_batch(plan.model, 512, h200.total_memory_bytes, plan.space)
+    assert max(batches) <= largest
+    cpu = plan_run(RunOptions(model="pythia-160m", seq_len=512, device="cpu", n_trials=1, budget=None))
+    assert max(cpu.space.choices["per_device_train_batch_size"]) == 128  # a CPU keeps the file's list
