@@ -112,6 +112,10 @@ def print_header(console: Console, plan: Any, resumed: int) -> None:
         + (f", resuming {resumed} finished trials" if resumed else ""),
         soft_wrap=True,
     )
+    if getattr(plan, "peft", None) is not None:
+        counts = plan.parameters
+        trained = f": {counts.trainable:,} of {counts.total:,} parameters trainable" if counts is not None else ""
+        console.print(f"  {plan.peft.describe()}{trained} (the adapters are fixed, not tuned)", soft_wrap=True)
     console.print(f"study '{plan.study_name}' in {describe_storage(plan.storage)}", style="dim")
     for dropped in plan.space.dropped:
         console.print(f"  dropped {dropped}", style="yellow")

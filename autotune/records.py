@@ -76,6 +76,7 @@ class ProbeSpec:
     seed: int = 0
     dataset: dict[str, Any] | None = None  # DatasetSpec.to_dict(); None: synthetic tokens
     synthetic_sample_delay_s: float = 0.0  # tests/benchmarks: make each synthetic sample this slow to load
+    peft: dict[str, Any] | None = None  # autotune.lora.LoraSettings.to_dict(): wrap the model in adapters; None: full training
 
     def to_json(self) -> str:
         data = dataclasses.asdict(self)
@@ -140,6 +141,11 @@ class ProbeResult:
     # Fixed per-trial cost, apart from the measured window.
     overhead_s: float | None = None  # process start, imports, Trainer set-up: setup_s less model_build_s
     model_build_s: float | None = None
+    # Parameters of the model as trained (LoRA adapters included in the total; frozen = total - trainable).
+    # None in results written before these were recorded.
+    parameters_total: int | None = None
+    parameters_trainable: int | None = None
+    parameters_frozen: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -56,6 +56,9 @@ RESULT_COLUMNS = (
     "interference",
     "overhead_s",
     "model_build_s",
+    "parameters_total",
+    "parameters_trainable",
+    "parameters_frozen",
 )
 
 # A configuration whose mean probe loss differs from the fp32 baseline's (same data, same seed,
@@ -357,11 +360,27 @@ class TuneResult:
         kwargs.pop("attn_implementation")
         return TrainingArguments(output_dir=output_dir, **{**kwargs, **overrides})
 
+    def peft_note(self) -> str | None:
+        """What the probes wrapped the model in (LoRA adapters), as one line naming the ``peft`` call
+        to repeat; None for a study that trained every weight (see :mod:`autotune.lora`)."""
+        if not self.settings.get("peft"):
+            return None
+        from autotune.lora import LoraSettings, note
+
+        return note(LoraSettings.from_dict(self.settings["peft"]), self.settings.get("parameters"))
+
+    def best_json(self) -> dict[str, Any]:
+        """best.json: :meth:`best_kwargs`, plus ``autotune_note`` (a :class:`ModelLoadingArguments` field)
+        for a LoRA study, since TrainingArguments has no LoRA field."""
+        kwargs = self.best_kwargs()
+        peft_note = self.peft_note()
+        return {**kwargs, "autotune_note": peft_note} if peft_note else kwargs
+
     def write_best_json(self, path: str | Path) -> Path:
         """Write the best configuration as JSON that ``HfArgumentParser`` reads (see README)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.best_kwargs(), indent=2) + "\n", encoding="utf-8")
+        path.write_text(json.dumps(self.best_json(), indent=2) + "\n", encoding="utf-8")
         return path
 
 
@@ -514,3 +533,4 @@ class ModelLoadingArguments:
     """The model-loading half of ``best.json``, for ``HfArgumentParser((TrainingArguments, ModelLoadingArguments))``."""
 
     attn_implementation: str = field(default="sdpa", metadata={"help": "from_pretrained(attn_implementation=...)"})
+    autotune_note: str | None = field(default=None, metadata={"help": "what else the configuration was measured with (LoRA adapters)"})

@@ -398,12 +398,12 @@ def _compile_counts(spec: ProbeSpec, callback: Any) -> dict[str, int]:
     return {"compiled_graphs_warmup": at_warmup_end, "compiled_graphs_measured": graphs[-1] - at_warmup_end}
 
 
-def _matmul_params(model: Any) -> int:
+def _matmul_params(model: Any, *, trainable_only: bool = False) -> int:
     """N of the FLOPs formula: every parameter except input embedding tables; a tied output
-    projection is counted (it is a real matmul), once."""
+    projection is counted (it is a real matmul), once. ``trainable_only``: of those, the ones trained."""
     import torch
 
-    params = {id(p): p.numel() for p in model.parameters()}
+    params = {id(p): p.numel() for p in model.parameters() if p.requires_grad or not trainable_only}
     embeddings = {id(m.weight): m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if output is not None and id(output.weight) in embeddings:
@@ -476,11 +476,13 @@ def run_probe(spec: ProbeSpec) -> ProbeResult:
     flops_per_token = None
     baseline: CudaBaseline | None = None
     matmul_precision: str | None = None
+    counts = None
     try:
         import torch
         from transformers import PrinterCallback
         from transformers.utils import logging as hf_logging
 
+        from autotune.lora import LoraSettings, count_model_parameters
         from autotune.models import ModelSpec, build_model
 
         hf_logging.set_verbosity_error()
@@ -491,15 +493,24 @@ def run_probe(spec: ProbeSpec) -> ProbeResult:
         params = spec.params
         torch.manual_seed(spec.seed)
         model_spec = ModelSpec.from_dict(spec.model)
+        lora = LoraSettings.from_dict(spec.peft) if spec.peft else None
         build_start_s = time.perf_counter()
-        model = build_model(model_spec, attn_implementation=params.attn_implementation, device="cuda" if cuda else "cpu")
+        if lora is not None and lora.quantized:
+            model = _build_4bit_model(model_spec, params, spec)
+        else:
+            model = build_model(model_spec, attn_implementation=params.attn_implementation, device="cuda" if cuda else "cpu")
+        if lora is not None:
+            model = _wrap_in_adapters(model, lora, params.gradient_checkpointing)
+        counts = count_model_parameters(model)
         if cuda:
             torch.cuda.synchronize()
         model_build_s = time.perf_counter() - build_start_s
         head_dim = int(model_spec.config.get("head_dim") or model_spec.hidden_size // model_spec.num_attention_heads)
+        matmul_params = _matmul_params(model)
+        # Frozen weights skip their weight-gradient matmul in backward: 2 of the 6 FLOPs per parameter and token.
         flops_per_token = model_flops_per_token(
-            _matmul_params(model), model_spec.num_layers, model_spec.num_attention_heads, head_dim, spec.seq_len
-        )
+            matmul_params, model_spec.num_layers, model_spec.num_attention_heads, head_dim, spec.seq_len
+        ) - 2.0 * (matmul_params - _matmul_params(model, trainable_only=True))
         callback = _make_callback(spec, cuda)
         total_steps = spec.warmup_steps + callback.step_budget
         dataset = _make_dataset(spec, model_spec.vocab_size, total_steps * params.effective_batch_size)
@@ -530,9 +541,61 @@ def run_probe(spec: ProbeSpec) -> ProbeResult:
             model_build_s=model_build_s,
             model_flops_per_token=flops_per_token,
             matmul_precision=matmul_precision,
+            **_parameter_fields(counts),
             **_memory_fields(spec, callback, baseline),
         )
-    return _summarise(spec, callback, start_s, device_name, model_build_s, flops_per_token, baseline, matmul_precision)
+    result = _summarise(spec, callback, start_s, device_name, model_build_s, flops_per_token, baseline, matmul_precision)
+    return result.replace(**_parameter_fields(counts))
+
+
+def _parameter_fields(counts: Any) -> dict[str, int | None]:
+    """The result's parameter counts (an :class:`autotune.lora.ParameterCounts`, or None before the model was built)."""
+    if counts is None:
+        return {}
+    return {"parameters_total": counts.total, "parameters_trainable": counts.trainable, "parameters_frozen": counts.frozen}
+
+
+def _wrap_in_adapters(model: Any, lora: Any, gradient_checkpointing: bool) -> Any:
+    """The model in its LoRA adapters (base weights frozen).
+
+    With activation checkpointing the embeddings' output is made to require grad
+    (``enable_input_require_grads``, as peft's ``prepare_model_for_kbit_training`` does): under
+    reentrant checkpointing (transformers' default before 5.x) a checkpointed layer whose inputs and
+    weights are all frozen gets no backward at all, so its adapters would never be trained; with
+    transformers 5's non-reentrant default it costs one small extra gradient.
+    """
+    from autotune.lora import apply_lora
+
+    wrapped = apply_lora(model, lora)
+    if gradient_checkpointing:
+        wrapped.enable_input_require_grads()
+    return wrapped
+
+
+def _build_4bit_model(model_spec: Any, params: Any, spec: ProbeSpec) -> Any:
+    """QLoRA's base: the model with random weights loaded in 4 bits (NF4, double quantization) by
+    bitsandbytes on the GPU, prepared for k-bit training (norms and the head upcast to fp32).
+
+    transformers quantizes while loading a checkpoint, never in ``from_config``: the random-weight
+    model is saved once (bf16, in the probe's scratch folder) and loaded back with the quantization config.
+    """
+    import torch
+    from peft import prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from autotune.models import build_model
+
+    compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(params.precision, torch.float32)
+    scratch = os.environ.get("AUTOTUNE_PROBE_SCRATCH")
+    with tempfile.TemporaryDirectory(prefix="autotune-qlora-base-", dir=scratch if scratch and os.path.isdir(scratch) else None) as folder:
+        build_model(model_spec, attn_implementation=params.attn_implementation, device="cpu", dtype=torch.bfloat16).save_pretrained(folder)
+        quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                          bnb_4bit_compute_dtype=compute)
+        model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=quantization, dtype=torch.bfloat16,
+                                                     device_map={"": 0}, attn_implementation=params.attn_implementation)
+    model.config.use_cache = False
+    # Checkpointing is the Trainer's to enable, as for every trial; _wrap_in_adapters makes inputs require grad.
+    return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
 
 
 def _memory_fields(spec: ProbeSpec, callback: Any, baseline: CudaBaseline | None) -> dict[str, Any]:

@@ -40,6 +40,7 @@ class ProbeEvaluator:
     # Which study the probes belong to ({"study": name, "storage": an id}): kept in each probe's folder
     # with the trial number, so a result finished after this process was killed is recorded later.
     owner_note: dict[str, Any] | None = None
+    peft: dict[str, Any] | None = None  # autotune.lora.LoraSettings.to_dict(): train LoRA adapters; None: every weight
     _trial_number: int | None = field(default=None, init=False, repr=False)
 
     def spec_for(self, params: TrialParams) -> ProbeSpec:
@@ -56,6 +57,7 @@ class ProbeEvaluator:
             memory_ceiling_bytes=self.memory_ceiling_bytes,
             seed=self.seed,
             dataset=self.dataset,
+            peft=self.peft,
         )
 
     def prepare(self) -> None:

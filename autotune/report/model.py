@@ -283,6 +283,24 @@ def model_reference(settings: dict[str, Any]) -> tuple[str, str]:
     return name, ""
 
 
+def _peft_lines(result: TuneResult) -> list[str]:
+    """A LoRA study's adapters, as the probes applied them (TrainingArguments has no field for them)."""
+    settings = result.settings.get("peft")
+    if not settings:
+        return []
+    from autotune.lora import LoraSettings, settings_code
+
+    lora = LoraSettings.from_dict(settings)
+    lines = [f"# measured with {lora.describe()}: the same adapters (peft; not tuned)", "from peft import LoraConfig, get_peft_model",
+             f"model = get_peft_model(model, {settings_code(lora)})"]
+    if lora.quantized:
+        lines.insert(1, "# the base was loaded in 4 bits: from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True, "
+                     "bnb_4bit_quant_type=\"nf4\", bnb_4bit_use_double_quant=True)), then peft.prepare_model_for_kbit_training(model)")
+    if result.best is not None and bool(result.best["gradient_checkpointing"]):
+        lines.append("model.enable_input_require_grads()  # adapters behind checkpointed layers of a frozen base get gradients")
+    return lines
+
+
 def _literal(value: Any) -> str:
     """A Python literal in the usual style: double-quoted strings."""
     return json.dumps(value) if isinstance(value, str) else repr(value)
@@ -311,6 +329,7 @@ def training_arguments_code(result: TuneResult) -> str:
         '    output_dir="trainer_output",',
         *(f"    {k}={_literal(v)}," for k, v in kwargs.items()),
         ")",
+        *_peft_lines(result),
         "# trainer = Trainer(model=model, args=args, ...), then, before trainer.train(), the fp32 matmul precision",
         "# autotune measured (transformers and accelerate may turn TF32 on for torch.compile behind the label):",
         f"torch.set_float32_matmul_precision({_literal(fp32_matmul_setting(precision))})",
@@ -378,6 +397,12 @@ def _summary(result: TuneResult, n_trials: int, counts: dict[str, int]) -> tuple
     items: list[tuple[str, str]] = [("Model", str(s.get("model", "?")) + (f" ({s['model_source']})" if s.get("model_source") else ""))]
     if s.get("num_parameters"):
         items.append(("Parameters", format_count(s["num_parameters"])))
+    if s.get("peft"):
+        from autotune.lora import LoraSettings
+
+        sizes = s.get("parameters") or {}
+        trained = f" ({format_count(sizes['trainable'])} of {format_count(sizes['total'])} parameters trainable)" if sizes.get("total") else ""
+        items.append(("Adapters", LoraSettings.from_dict(s["peft"]).describe() + trained))
     items.append(("Sequence length", f"{s['seq_len']:,} tokens" if s.get("seq_len") else "-"))
     dev = str(device.get("name", "?"))
     if device.get("kind") == "cpu":

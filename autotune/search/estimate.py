@@ -41,6 +41,11 @@ class MemoryEstimate:
     attn_implementation: str
     device_memory_bytes: int
     rows: tuple[EstimateRow, ...]
+    # With --peft (autotune.lora): the adapters (LoraSettings.describe()), and the parameters that are trained
+    # (num_parameters counts every one, adapters included) and stored in 4 bits. None/0 without.
+    peft: str | None = None
+    trainable_parameters: int | None = None
+    quantized_parameters: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -53,11 +58,19 @@ def estimate_table(
     device_memory_bytes: int,
     space: str = "default",
     attn_implementation: str = "sdpa",
+    peft: str | None = None,
+    lora_r: int | None = None,
+    lora_alpha: float | None = None,
+    lora_target_modules: str | list[str] | None = None,
 ) -> MemoryEstimate:
     """Predicted memory per precision x optimizer x checkpointing of ``space``, and the largest batch that fits.
 
+    ``peft``: ``lora`` or ``qlora`` with its adapters (:mod:`autotune.lora`): frozen base weights carry
+    no gradient and no optimizer state (QLoRA's are 4-bit). A QLoRA estimate needs no GPU.
+
     Raises:
-        UsageError: an unknown model, space or attention implementation, or a sequence length outside the model's range.
+        UsageError: an unknown model, space or attention implementation, or a sequence length outside the model's
+            range; bad LoRA settings, peft missing, or target modules the model does not have.
     """
     from autotune.models import resolve_model
     from autotune.space import load_space
@@ -71,7 +84,11 @@ def estimate_table(
     if seq_len <= 0 or seq_len > spec.max_positions:
         raise UsageError(f"--seq-len {seq_len} is outside 1..{spec.max_positions}, the limit of {spec.name}")
     loaded = load_space(space)
-    dims = ModelDims.from_spec(spec)
+    from autotune.lora import lora_settings, parameter_counts
+
+    lora = lora_settings(peft, r=lora_r, alpha=lora_alpha, dropout=None, target_modules=lora_target_modules, device=None, runtime=False)
+    counts = parameter_counts(spec, lora) if lora is not None else None
+    dims = ModelDims.from_spec(spec, counts=counts)
     memory = MemoryModel(dims, seq_len)
     batch_sizes = loaded.choices["per_device_train_batch_size"]
     rows = []
@@ -86,4 +103,6 @@ def estimate_table(
                     precision, optim, ckpt, static.total_bytes, static.weights_bytes, static.gradients_bytes,
                     static.optimizer_bytes, activation_bytes_per_sample(dims, params, seq_len), largest, peak,
                 ))
-    return MemoryEstimate(spec.name, dims.num_parameters, seq_len, attn_implementation, device_memory_bytes, tuple(rows))
+    return MemoryEstimate(spec.name, dims.num_parameters, seq_len, attn_implementation, device_memory_bytes, tuple(rows),
+                          peft=lora.describe() if lora else None, trainable_parameters=counts.trainable if counts else None,
+                          quantized_parameters=counts.quantized if counts else 0)

@@ -63,6 +63,9 @@ PRUNE_MARGIN = 0.05  # prune only when predicted over the ceiling by more than t
 UNCALIBRATED_PRUNE_MARGIN = 0.25  # the same for a group never measured, predicted from generic factors
 
 MemoryGroup = tuple[Any, ...]
+# QLoRA's NF4 weights: 4 bits each, plus block-wise absmax constants (double-quantized: ~0.127 bits
+# per weight, Dettmers et al. 2023, "QLoRA", sec. 3).
+QLORA_BYTES_PER_QUANTIZED_PARAM = 0.5 + 0.127 / 8
 
 
 def memory_group(params: TrialParams) -> MemoryGroup:
@@ -80,17 +83,34 @@ class ModelDims:
     num_attention_heads: int
     vocab_size: int
     intermediate_size: int
+    # LoRA (autotune.lora): parameters that are trained (None: all of them), and frozen ones stored in
+    # 4 bits (QLoRA's base linear layers). num_parameters counts every parameter, adapters included.
+    trainable_parameters: int | None = None
+    quantized_parameters: int = 0
 
     @classmethod
-    def from_spec(cls, spec: Any, num_parameters: int | None = None) -> ModelDims:
-        """Read the dimensions of a ``ModelSpec``; parameters counted on the meta device unless given."""
+    def from_spec(cls, spec: Any, num_parameters: int | None = None, *, counts: Any = None) -> ModelDims:
+        """Read the dimensions of a ``ModelSpec``; parameters counted on the meta device unless given.
+
+        ``counts``: an :class:`autotune.lora.ParameterCounts` of the model as trained (LoRA adapters
+        on a frozen base); its total replaces ``num_parameters``.
+        """
+        if counts is not None:
+            num_parameters = counts.total
         if num_parameters is None:
             from autotune.models import count_parameters
 
             num_parameters = count_parameters(spec)
         config = spec.config
         intermediate = config.get("intermediate_size") or config.get("n_inner") or 4 * spec.hidden_size
-        return cls(num_parameters, spec.num_layers, spec.hidden_size, spec.num_attention_heads, spec.vocab_size, int(intermediate))
+        return cls(num_parameters, spec.num_layers, spec.hidden_size, spec.num_attention_heads, spec.vocab_size, int(intermediate),
+                   trainable_parameters=counts.trainable if counts is not None else None,
+                   quantized_parameters=counts.quantized if counts is not None else 0)
+
+    @property
+    def trainable(self) -> int:
+        """Parameters with a gradient and optimizer state (all of them unless LoRA froze the base)."""
+        return self.num_parameters if self.trainable_parameters is None else self.trainable_parameters
 
 
 @dataclass(frozen=True)
@@ -121,13 +141,21 @@ def optimizer_state_bytes(optim: str, num_parameters: int, hidden_size: int) -> 
 
 
 def static_memory(dims: ModelDims, precision: str, optim: str) -> StaticMemory:
-    """Weights, gradients, optimizer state and CUDA context for one precision and optimizer."""
-    p = dims.num_parameters
+    """Weights, gradients, optimizer state and CUDA context for one precision and optimizer.
+
+    Frozen parameters (a LoRA base) carry no gradient and no optimizer state; only the trainable
+    ones (the adapters) do. QLoRA's quantized base weights take ~0.52 B/param and no autocast copy
+    (bitsandbytes dequantizes them layer by layer into the compute dtype).
+    """
+    q = dims.quantized_parameters
+    p = dims.num_parameters - q  # held in fp32
+    trainable = dims.trainable
     weights = 4 * p + (2 * p if precision in _AMP_PRECISIONS else 0)  # fp32 master + autocast copies
+    weights += int(q * QLORA_BYTES_PER_QUANTIZED_PARAM)
     return StaticMemory(
         weights_bytes=weights,
-        gradients_bytes=4 * p,  # gradients have the parameters' dtype: fp32 under AMP too
-        optimizer_bytes=optimizer_state_bytes(optim, p, dims.hidden_size),
+        gradients_bytes=4 * trainable,  # gradients have the parameters' dtype: fp32 under AMP too
+        optimizer_bytes=optimizer_state_bytes(optim, trainable, dims.hidden_size),
         overhead_bytes=CUDA_CONTEXT_BYTES,
     )
 
