@@ -134,6 +134,19 @@ def _add_strategy_flag(p: argparse.ArgumentParser) -> None:
     )
 
 
+def recorded_command(argv: Sequence[str]) -> str:
+    """The command line as the study and its report keep it, a storage password masked (``--storage URL``)."""
+    from autotune.storage import describe
+
+    words = list(argv)
+    for i, word in enumerate(words):
+        if word == "--storage" and i + 1 < len(words):
+            words[i + 1] = describe(words[i + 1])
+        elif word.startswith("--storage="):
+            words[i] = "--storage=" + describe(word.split("=", 1)[1])
+    return shlex.join(["autotune", *words])
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     import dataclasses
 
@@ -148,7 +161,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         console = Console(highlight=False, width=180)
     options = RunOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(RunOptions)})
     plan = plan_run(options)
-    command = shlex.join(["autotune", *sys.argv[1:]]) if sys.argv[1:2] == ["run"] else None
+    command = recorded_command(sys.argv[1:]) if sys.argv[1:2] == ["run"] else None
     live = LiveProgress(console, budget_s=plan.settings.budget_s, n_trials=plan.settings.n_trials,
                         ceiling_bytes=plan.memory_ceiling_bytes)
     try:

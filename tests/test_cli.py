@@ -205,3 +205,11 @@ def test_tune_writes_nothing_in_the_current_directory_and_is_silent_when_asked(t
                   evaluator=FakeEvaluator(), command="test", study="loud")
     out = capsys.readouterr().out
     assert "trial   0 (baseline)" in out and "Top configurations" in out and "report: " in out
+
+
+def test_the_recorded_command_hides_a_storage_password() -> None:
+    from autotune.cli import recorded_command
+
+    command = recorded_command(["run", "--storage", "postgresql://tuner:s3cret@db/autotune", "--budget", "30m"])
+    assert "s3cret" not in command and "tuner" in command and "--budget 30m" in command
+    assert "s3cret" not in recorded_command(["run", "--storage=postgresql://tuner:s3cret@db/autotune"])
