@@ -32,8 +32,15 @@ improvement per expected probe second:
 * **Probe seconds**: start-up, compilation per mode and the measured window, learnt from the
   probes' own timings (priors until then); a failure is charged what failing costs. A probe that
   cannot finish in the time left is not proposed, nor one that would eat the time kept for
-  polishing the best configurations (other compile modes, more accumulation:
-  :meth:`BayesStrategy._polish_reserve`), which rank late per second and pay off most.
+  polishing the best configurations (another compile mode, more accumulation, one at a time:
+  :meth:`BayesStrategy._polish_reserve`), which rank late per second and pay off most; the
+  variants with the largest expected improvement keep their time (at most half the budget), and
+  once only that time is left the most valuable runs first.
+* **Memory groups compared before polishing**: checkpointing lets larger batches fit, so the
+  group with it and the group without run different batch sizes, and a small batch pays its
+  optimizer step over few samples. Once exploring has had its time, the other group's best is
+  measured accumulating as many samples per optimizer step as the incumbent
+  (:meth:`BayesStrategy._comparison`), so the polish goes to the group that wins amortised.
 
 ``P(fits)`` needs two memory-model predictions per memory group, the slowest part; the other
 factors bound the score from above, so groups are visited best bound first and the visit stops
@@ -76,6 +83,7 @@ MIN_GAIN = 0.015  # log scale: what a probe must be expected to beat the incumbe
 NOTHING_YET_SPEED_WEIGHT = 0.3  # before anything fits: how much speed counts next to the chance to run
 POLISH_PROBES = 2  # polishing probes of the best configurations whose time is kept to the end
 POLISH_MARGIN = 1.3  # their predicted cost is a guess until their compile mode was timed: keep some more
+POLISH_SHARE = 0.5  # at most this share of the run's budget is kept for polishing
 MIN_SD = 0.01  # no point is certain: EI stays positive near the incumbent
 WORKER_SCALING = 0.9  # loader throughput ~ workers^0.9
 CAP_MARGIN = 0.1  # a loader's rate read off a waiting probe is a lower bound (the optimizer step hides in it), log scale
@@ -303,6 +311,7 @@ class BayesStrategy(Strategy):
 
     def __init__(self) -> None:
         self._context: _Context | None = None
+        self._budget_s = 0.0  # the most time left seen: this run's budget
 
     def sampler(self, seed: int) -> optuna.samplers.BaseSampler:
         return tpe_sampler(seed)
@@ -356,10 +365,27 @@ class BayesStrategy(Strategy):
         if not allowed.any():
             return None
         feasible = state.feasible()
+        if state.remaining_s is not None:
+            self._budget_s = max(self._budget_s, state.remaining_s)
+        comparison = self._comparison(context, state, feasible, allowed, evidence, history)
+        if comparison is not None and state.remaining_s is None:
+            return grid.params_at(comparison)
         gain = self._gain(context, feasible, mean, sd, cap, allowed)
         if state.remaining_s is not None:
             # A probe that would eat into the time kept for polishing is not started.
-            reserve, polish = self._polish_reserve(context, state, feasible, gain, p_ok, cost_ok, cost_fail, allowed)
+            reserve, polish, order = self._polish_reserve(context, state, feasible, (mean, sd, cap), p_ok, cost_ok, allowed)
+            if comparison is not None:
+                # The groups are compared once exploring has had its time to find each one's best
+                # (what is left is twice what polishing and the comparison need: time to polish the
+                # winner, and to explore around it), and the comparison's time is kept meanwhile.
+                compare_s = float(np.broadcast_to(cost_ok, grid.shape).reshape(-1)[comparison])
+                if state.remaining_s <= 2.0 * (reserve + compare_s):
+                    return grid.params_at(comparison)
+                reserve += compare_s
+            if order and reserve >= state.remaining_s:
+                # The time left is what was kept: polish, the most valuable probe first (cheaper ones
+                # rank first per second, and the one that pays most would no longer fit after them).
+                return grid.params_at(order[0])
             allowed = allowed & (polish | (cost_ok + reserve <= state.remaining_s))
             if not allowed.any():
                 return None
@@ -468,46 +494,108 @@ class BayesStrategy(Strategy):
             gain = gain - np.where(capped, expected_improvement(mean, sd, np.where(capped, cap, 0.0)), 0.0)
         return np.where(cap > best, np.maximum(gain, 0.0), 0.0)
 
-    def _polish_reserve(self, context: _Context, state: SearchState, feasible: list[Configuration], gain: np.ndarray, p_ok: np.ndarray,
-                        cost_ok: np.ndarray, cost_fail: np.ndarray, allowed: np.ndarray) -> tuple[float, np.ndarray]:
-        """Seconds to keep for polishing the best configurations, and the polishing probes themselves.
+    def _comparison(self, context: _Context, state: SearchState, feasible: list[Configuration], allowed: np.ndarray,
+                    evidence: MemoryEvidence, history: list[Probe]) -> int | None:
+        """The other checkpointing group's best configuration accumulating as many samples per
+        optimizer step as the incumbent (its flat grid index), once per group.
+
+        Checkpointing trades speed for memory, so the two groups run different batch sizes: the
+        group without it runs smaller batches, whose optimizer step weighs more per sample, and a
+        probe at accumulation 1 charges it the whole step. Compared at equal samples per optimizer
+        step (accumulation amortises the step, as polishing would), the group that looked slower
+        may win; the throughput model cannot tell a batch's overhead from an optimizer step's until
+        such a probe measures the difference. Where nothing without checkpointing has fitted yet,
+        the candidate is the best uncompiled configuration with checkpointing switched off, at the
+        largest batch no larger than its own that is likelier to fit than not. Not proposed where
+        the other group already has a probe amortising its step over as many samples. When it runs
+        is :meth:`propose`'s choice (with a time budget: once exploring has had its time).
+        """
+        grid = context.grid
+        if not feasible or ACCUM not in grid.names or "gradient_checkpointing" not in grid.names:
+            return None
+        incumbent = feasible[0].params
+        target = incumbent.per_device_train_batch_size * incumbent.gradient_accumulation_steps
+        flat_allowed = allowed.reshape(-1)
+        for value in grid.values["gradient_checkpointing"]:
+            if value == incumbent.gradient_checkpointing:
+                continue
+            if any(p.params.gradient_checkpointing == value and p.params.per_device_train_batch_size * p.params.gradient_accumulation_steps >= target
+                   for p in history):
+                continue
+            best = next((c.params for c in feasible if c.params.gradient_checkpointing == value), None)
+            if best is None:
+                if value:
+                    continue  # checkpointing pays only at larger batches, which the measured group's OOMs say nothing about
+                plain = next((c.params for c in feasible if c.params.torch_compile == "off"), incumbent)
+                switched = state.space.with_changes(plain, gradient_checkpointing=value, torch_compile="off")
+                self._refresh_lines(context, state, len(history))
+                p_fit = self._p_fit_row(context, state, evidence, context.groups.index(switched, grid))
+                likely = [b for b, p in zip(grid.values[BATCH], p_fit) if p >= 0.5 and b <= switched.per_device_train_batch_size]
+                if not likely:
+                    continue
+                best = state.space.with_changes(switched, per_device_train_batch_size=max(likely), **{ACCUM: min(grid.values[ACCUM])})
+            accums = [a for a in sorted(grid.values[ACCUM]) if a >= best.gradient_accumulation_steps]
+            accum = next((a for a in accums if a * best.per_device_train_batch_size >= target), accums[-1] if accums else None)
+            if accum is None:
+                continue
+            index = grid.flat_index(state.space.with_changes(best, **{ACCUM: accum}))
+            if index is not None and flat_allowed[index]:
+                return index
+        return None
+
+    def _polish_reserve(self, context: _Context, state: SearchState, feasible: list[Configuration], model: tuple[np.ndarray, np.ndarray, np.ndarray],
+                        p_ok: np.ndarray, cost_ok: np.ndarray, allowed: np.ndarray) -> tuple[float, np.ndarray, list[int]]:
+        """Seconds to keep for polishing the best configurations, the polishing probes themselves (a
+        grid mask, and their flat indices, most valuable first).
 
         Compilation and accumulation multiply throughput and cost a probe many times over (a compile
         mode's compilation, a step of many micro-batches), so per second they rank late, and a run
         that explores until its end never gets to them. Their most promising variants of the
-        incumbent and of the best uncompiled configuration (other compile modes, more accumulation)
-        keep their time: the :data:`POLISH_PROBES` best, at their predicted cost, which follows the
-        measured compile and step times.
+        incumbent and of the best configuration with and without checkpointing, one polishing
+        dimension changed (another compile mode, or more accumulation), keep their time: the best
+        of each dimension, the one with the largest expected improvement over the incumbent first
+        (per probe, not per second: the time is kept for them anyway; and over the incumbent
+        itself, not over the best uncompiled configuration, which guides exploring, not the final
+        choice), at their predicted cost, which follows the measured compile and step times, and at
+        most :data:`POLISH_SHARE` of the run's budget. Compile variants of other uncompiled
+        configurations are left to exploring, which measures those against the best uncompiled.
         """
         grid = context.grid
-        mask = np.zeros(grid.size, dtype=bool)
         if not feasible:
-            return 0.0, mask.reshape(grid.shape)
-        bases = [feasible[0].params] + [c.params for c in feasible if c.params.torch_compile == "off"][:1]
-        accums = sorted({grid.accumulation(b.per_device_train_batch_size, a) for b in bases for a in grid.values.get(ACCUM, (None,))})
+            return 0.0, np.zeros(grid.shape, dtype=bool), []
+        bases = [feasible[0].params]
+        for value in grid.values.get("gradient_checkpointing", ()):
+            bases += [c.params for c in feasible if c.params.gradient_checkpointing == value][:1]
+        bases = list(dict.fromkeys(bases))
+        mean, sd, cap = model
         flat = {name: np.broadcast_to(a, grid.shape).reshape(-1) for name, a in
-                (("gain", gain), ("p_ok", p_ok), ("cost_ok", cost_ok), ("cost_fail", cost_fail), ("allowed", allowed))}
-        scored = []
+                (("mean", mean), ("sd", sd), ("cap", cap), ("p_ok", p_ok), ("cost_ok", cost_ok), ("allowed", allowed))}
+        best = math.log(feasible[0].mean_samples_per_s) + MIN_GAIN
+        # One polishing dimension changed at a time (a compile mode, or more accumulation): the
+        # best of each keeps its time, so an expensive compilation is not crowded out by a
+        # combination that costs both.
+        best_of: dict[str, tuple[float, float, int]] = {}
         for base in bases:
-            for mode in grid.values["torch_compile"]:
-                for accum in accums:
-                    if accum < base.gradient_accumulation_steps:
-                        continue
-                    changes: dict[str, Any] = {"torch_compile": mode}
-                    if ACCUM in grid.names:
-                        changes[ACCUM] = accum
-                    index = grid.flat_index(state.space.with_changes(base, **changes))
-                    if index is None or not flat["allowed"][index] or mask[index]:
-                        continue
-                    score = float(self._score(flat["gain"][index], flat["p_ok"][index], 1.0, flat["cost_ok"][index], flat["cost_fail"][index], True))
-                    if score > 0:
-                        mask[index] = True
-                        scored.append((score, float(flat["cost_ok"][index]), index))
-        scored.sort(reverse=True)
+            variants: list[tuple[str, dict[str, Any]]] = [("torch_compile", {"torch_compile": m}) for m in grid.values["torch_compile"] if m != base.torch_compile]
+            if ACCUM in grid.names:
+                variants += [(ACCUM, {ACCUM: a}) for a in grid.values[ACCUM] if a > base.gradient_accumulation_steps]
+            for dim, changes in variants:
+                index = grid.flat_index(state.space.with_changes(base, **changes))
+                if index is None or not flat["allowed"][index]:
+                    continue
+                top = min(float(flat["cap"][index]), float(flat["mean"][index]))
+                value = float(flat["p_ok"][index] * expected_improvement(np.array(top), np.array(flat["sd"][index]), np.array(best)))
+                if value > 0 and value > best_of.get(dim, (0.0, 0.0, -1))[0]:
+                    best_of[dim] = (value, float(flat["cost_ok"][index]), index)
+        most = POLISH_SHARE * self._budget_s if self._budget_s > 0 else math.inf
         keep = np.zeros(grid.size, dtype=bool)
-        for _, _, index in scored[:POLISH_PROBES]:
-            keep[index] = True
-        return POLISH_MARGIN * sum(cost for _, cost, _ in scored[:POLISH_PROBES]), keep.reshape(grid.shape)
+        reserve, order = 0.0, []
+        for _, cost, index in sorted(best_of.values(), reverse=True)[:POLISH_PROBES]:
+            if reserve + POLISH_MARGIN * cost <= most and cost <= (state.remaining_s or math.inf):
+                keep[index] = True
+                order.append(index)
+                reserve += POLISH_MARGIN * cost
+        return reserve, keep.reshape(grid.shape), order
 
     @staticmethod
     def _score(gain: Any, p_ok: Any, p_fit: Any, cost_ok: Any, cost_fail: Any, allowed: Any) -> np.ndarray:

@@ -1,0 +1,120 @@
+"""bayes: comparing the checkpointing groups at equal samples per optimizer step, and the time kept for polishing."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from autotune.params import TrialParams
+from autotune.records import Probe, ProbeResult
+from autotune.search.memory import MemoryModel
+from autotune.search.strategies.base import SearchState
+from autotune.search.strategies.bayes import POLISH_SHARE, BayesStrategy, MemoryEvidence
+from autotune.space import parse_space
+from tests.conftest import GiB
+
+SPACE = {
+    "per_device_train_batch_size": [4, 8, 16, 32], "gradient_accumulation_steps": [1, 2, 4, 8],
+    "precision": ["fp32", "bf16"], "torch_compile": ["off", "inductor", "inductor:max-autotune"],
+    "gradient_checkpointing": [False, True],
+}
+
+
+def _ok(number: int, sps: float, wall_s: float = 40.0, **values) -> Probe:
+    params = TrialParams(**values)
+    warmup = 3 * params.effective_batch_size / sps + (60.0 if params.torch_compile != "off" else 0.0)
+    return Probe(number, params, ProbeResult(status="ok", samples_per_s=sps, peak_mem_bytes=GiB + params.per_device_train_batch_size * 2**27,
+                                             wall_s=wall_s, setup_s=10.0, warmup_s=warmup, step_time_s=params.effective_batch_size / sps,
+                                             step_time_ci95_rel=0.01, input_wait_fraction=0.0))
+
+
+def _state(history: list[Probe], remaining_s: float | None, *, checkpointing: bool = True) -> SearchState:
+    space = parse_space(SPACE if checkpointing else {k: v for k, v in SPACE.items() if k != "gradient_checkpointing"})
+    memory = MemoryModel()
+    memory.observe_all((p.params, p.result) for p in history)
+    return SearchState(space, 40 * GiB, memory, history, {p.params.key() for p in history}, remaining_s)
+
+
+def test_the_other_checkpointing_group_is_compared_at_the_incumbents_samples_per_step() -> None:
+    # With checkpointing, batch 32 runs 100 samples/s; without it only batch 4 was measured (80/s),
+    # its optimizer step paid on 4 samples. It is measured accumulating 32 (without a time budget:
+    # at once; with one, once exploring is over, before polishing).
+    history = [_ok(0, 80.0, precision="bf16", per_device_train_batch_size=4),
+               _ok(1, 100.0, precision="bf16", per_device_train_batch_size=32, gradient_checkpointing=True)]
+    strategy = BayesStrategy()
+    early = strategy.propose(_state(history, 7200.0))
+    assert early is not None and not (early.gradient_checkpointing is False and early.per_device_train_batch_size == 4
+                                      and early.gradient_accumulation_steps == 8)
+    for remaining_s in (None, 300.0):
+        proposal = strategy.propose(_state(history, remaining_s))
+        assert proposal is not None
+        assert (proposal.gradient_checkpointing, proposal.per_device_train_batch_size, proposal.gradient_accumulation_steps) == (False, 4, 8)
+        assert (proposal.precision, proposal.torch_compile) == ("bf16", "off")  # only the accumulation changes
+
+
+def test_no_comparison_where_the_other_group_amortises_its_step_as_well_or_was_compared() -> None:
+    as_well = [_ok(0, 80.0, precision="bf16", per_device_train_batch_size=8, gradient_accumulation_steps=4),
+               _ok(1, 100.0, precision="bf16", per_device_train_batch_size=32, gradient_checkpointing=True)]
+    proposal = BayesStrategy().propose(_state(as_well, None))
+    assert proposal is None or not (proposal.gradient_checkpointing is False and proposal.per_device_train_batch_size == 8
+                                    and proposal.gradient_accumulation_steps > 4 and proposal.torch_compile == "off"
+                                    and proposal.precision == "bf16")
+    compared = [_ok(0, 80.0, precision="bf16", per_device_train_batch_size=4),
+                _ok(1, 100.0, precision="bf16", per_device_train_batch_size=32, gradient_checkpointing=True),
+                _ok(2, 70.0, precision="bf16", per_device_train_batch_size=4, gradient_accumulation_steps=8)]
+    strategy = BayesStrategy()
+    state = _state(compared, 1800.0)
+    context = strategy._get_context(state)
+    allowed = np.ones(context.grid.shape, dtype=bool)
+    allowed.reshape(-1)[[context.grid.flat_index(p.params) for p in compared]] = False
+    evidence = MemoryEvidence.of(context.groups, context.grid, compared, state.ceiling_bytes)
+    assert strategy._comparison(context, state, state.feasible(), allowed, evidence, compared) is None
+
+
+def test_a_group_with_no_fit_yet_is_compared_at_a_batch_likely_to_fit() -> None:
+    # Only checkpointing has run; without it, batch 32 went out of memory. The comparison switches
+    # checkpointing off at a smaller batch, accumulating the incumbent's samples per step.
+    history = [_ok(0, 100.0, precision="bf16", per_device_train_batch_size=32, gradient_checkpointing=True),
+               Probe(1, TrialParams(precision="bf16", per_device_train_batch_size=32), ProbeResult(status="oom", wall_s=20.0, setup_s=10.0))]
+    proposal = BayesStrategy().propose(_state(history, None))
+    assert proposal is not None and proposal.gradient_checkpointing is False
+    assert proposal.per_device_train_batch_size < 32
+    assert proposal.per_device_train_batch_size * proposal.gradient_accumulation_steps >= 32
+
+
+def test_the_time_left_for_polishing_goes_to_the_most_valuable_variant_of_the_incumbent_first() -> None:
+    incumbent = {"precision": "bf16", "per_device_train_batch_size": 32, "torch_compile": "inductor"}
+    history = [_ok(0, 50.0), _ok(1, 100.0, precision="bf16", per_device_train_batch_size=32),
+               _ok(2, 120.0, wall_s=120.0, **incumbent), _ok(3, 90.0, precision="bf16", per_device_train_batch_size=16)]
+    strategy = BayesStrategy()
+    strategy.propose(_state(history, 1800.0, checkpointing=False))  # the run's budget
+    state = _state(history, 400.0, checkpointing=False)
+    proposal = strategy.propose(state)
+    assert proposal is not None
+    changed = {name for name in ("per_device_train_batch_size", "precision", "torch_compile", "gradient_checkpointing", "gradient_accumulation_steps")
+               if getattr(proposal, name) != getattr(history[2].params, name)}
+    # The time left (400 s) is less than what was kept: a polishing probe of the incumbent, one
+    # polishing dimension changed (compile mode or accumulation), not the cheapest per second.
+    assert len(changed) == 1 and changed <= {"torch_compile", "gradient_accumulation_steps"}
+    assert proposal.per_device_train_batch_size == 32 and proposal.precision == "bf16"
+
+
+def test_the_polishing_reserve_is_at_most_a_share_of_the_budget() -> None:
+    history = [_ok(0, 50.0), _ok(1, 100.0, precision="bf16", per_device_train_batch_size=32),
+               _ok(2, 120.0, wall_s=400.0, precision="bf16", per_device_train_batch_size=32, torch_compile="inductor")]
+    for budget in (300.0, 1800.0, 7200.0):
+        strategy = BayesStrategy()
+        state = _state(history, budget, checkpointing=False)
+        strategy.propose(state)
+        context = strategy._get_context(state)
+        mean, sd, cap = strategy._throughput(context, list(history))
+        p_ok = np.ones(context.grid.shape)
+        cost_ok, _ = strategy._costs(context, list(history), mean)
+        allowed = np.ones(context.grid.shape, dtype=bool)
+        reserve, keep, order = strategy._polish_reserve(context, state, state.feasible(), (mean, sd, cap), p_ok, cost_ok, allowed)
+        assert reserve <= POLISH_SHARE * budget + 1e-6
+        assert len(order) == int(keep.sum()) <= 2
+        for index in order:  # each a variant of a measured configuration in compile mode or accumulation only
+            params = context.grid.params_at(index)
+            assert any(sum(getattr(params, n) != getattr(p.params, n) for n in ("torch_compile", "gradient_accumulation_steps")) == 1
+                       and all(getattr(params, n) == getattr(p.params, n) for n in ("per_device_train_batch_size", "precision", "gradient_checkpointing"))
+                       for p in history)
