@@ -281,7 +281,7 @@ def plan_run(options: RunOptions) -> RunPlan:
         model_supports_sdpa=supports_sdpa,
         model_supports_flash=supports_flash,
     )
-    if device_info.is_cuda:  # a CPU probe gains nothing from huge batches; a large GPU may fit far more than 128
+    if device_info.is_cuda and restricted.batch_growth():  # a CPU probe gains nothing from huge batches; a GPU may fit far more than 128
         # Bounded by the device's memory, not the ceiling: a resumed study may change its ceiling, not its space.
         restricted = restricted.with_batches_up_to(
             largest_lean_batch(model_spec, seq_len, device_info.total_memory_bytes, restricted))
@@ -341,12 +341,13 @@ def _peft_plan(options: RunOptions, model: Any, device: DeviceInfo) -> tuple[Any
     return settings, parameter_counts(model, settings)
 
 
-def largest_lean_batch(model: Any, seq_len: int, ceiling_bytes: int, space: SearchSpace, limit: int = 1 << 16) -> int:
-    """The largest batch size the memory model predicts fits under the ceiling for the leanest
-    configuration of ``space`` (checkpointing, a 16-bit precision, the smallest optimizer state, a
-    fused attention kernel, where the space allows them): no configuration of the space fits a
-    larger one, so it bounds the batch sizes worth adding (:meth:`SearchSpace.with_batches_up_to`)."""
-    from autotune.search.memory import ModelDims, predict_peak_bytes, static_memory
+def largest_lean_batch(model: Any, seq_len: int, memory_bytes: int, space: SearchSpace) -> int:
+    """The largest batch size :meth:`SearchSpace.batch_growth` offers that the memory model predicts
+    fits in ``memory_bytes`` for the leanest configuration of ``space`` (checkpointing, a 16-bit
+    precision, the smallest optimizer state, a fused attention kernel, where the space allows them);
+    0 when none does. No configuration of the space fits a larger one, so it bounds the batch sizes
+    worth adding (:meth:`SearchSpace.with_batches_up_to`)."""
+    from autotune.search.memory import MemoryModel, ModelDims, static_memory
 
     dims = ModelDims.from_spec(model)
     choices = space.choices
@@ -356,14 +357,7 @@ def largest_lean_batch(model: Any, seq_len: int, ceiling_bytes: int, space: Sear
                      choices["attn_implementation"][0])
     lean = TrialParams(precision=precision, optim=optim, attn_implementation=attention,
                        gradient_checkpointing=True in choices["gradient_checkpointing"])
-    low, high = 0, limit  # the largest b with a predicted peak under the ceiling, by bisection (peak grows with b)
-    while low < high:
-        middle = (low + high + 1) // 2
-        if predict_peak_bytes(dims, lean.replace(per_device_train_batch_size=middle), seq_len) <= ceiling_bytes:
-            low = middle
-        else:
-            high = middle - 1
-    return low
+    return MemoryModel(dims, seq_len).largest_batch_that_fits(lean, space.batch_growth(), memory_bytes) or 0
 
 
 def _same_kind_gpus(gpus: list[int], device: str | DeviceInfo) -> DeviceInfo:

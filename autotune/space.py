@@ -176,17 +176,20 @@ class SearchSpace:
         512, ...), multiples of the rule's ``multiple_of``, so the grid grows by a handful of values;
         under a fixed effective batch size only divisors of it are added.
         """
+        added = tuple(b for b in self.batch_growth(limit) if b <= largest_fitting)
+        return self.with_values("per_device_train_batch_size", (*self.choices["per_device_train_batch_size"], *added)) if added else self
+
+    def batch_growth(self, limit: int = MAX_GROWN_BATCH) -> tuple[int, ...]:
+        """The batch sizes :meth:`with_batches_up_to` may add, smallest first; none for a fixed list."""
         if self.grow_batches_by is None:
-            return self
-        current = self.choices["per_device_train_batch_size"]
-        top = max(current)
+            return ()
+        top = max(self.choices["per_device_train_batch_size"])
         ladder = sorted({b for k in range(4, 16) for b in (2**k, 3 * 2 ** (k - 1))})
-        added = tuple(
+        return tuple(
             b for b in ladder
-            if top < b <= min(largest_fitting, limit) and b % self.grow_batches_by == 0
+            if top < b <= limit and b % self.grow_batches_by == 0
             and (not self.effective_batch_size or self.effective_batch_size % b == 0)
         )
-        return self.with_values("per_device_train_batch_size", (*current, *added)) if added else self
 
     # ------------------------------------------------------------------ restriction
 
