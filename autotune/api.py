@@ -453,6 +453,11 @@ def plan_evaluator(plan: RunPlan) -> Evaluator:
     )
 
 
+def finish_reserve_s(budget_s: float) -> float:
+    """What a run keeps of its budget for loading the result and writing the report."""
+    return min(FINISH_RESERVE_S, 0.1 * budget_s)
+
+
 def execute(
     plan: RunPlan,
     study: optuna.Study,
@@ -472,7 +477,7 @@ def execute(
     memory = MemoryModel(ModelDims.from_spec(plan.model, counts=plan.parameters), plan.seq_len)
     settings = plan.settings
     if settings.budget_s:
-        settings = dataclasses.replace(settings, budget_s=settings.budget_s - min(FINISH_RESERVE_S, 0.1 * settings.budget_s))
+        settings = dataclasses.replace(settings, budget_s=settings.budget_s - finish_reserve_s(settings.budget_s))
     prepare = getattr(evaluator, "prepare", None)
     if prepare is not None:
         prepare()  # the probe server's start, inside the budget rather than after it
@@ -602,8 +607,8 @@ def run_plan(
         check_writable_file(best_json, "--output")
     study = open_study(plan, command)
     if plan.settings.budget_s and not join:  # when the shared budget ends, for workers (this run's, or joining later)
-        reserve_s = min(FINISH_RESERVE_S, 0.1 * plan.settings.budget_s)
-        studies.record_deadline(study, time.time() - (time.monotonic() - started_s) + plan.settings.budget_s - reserve_s)
+        studies.record_deadline(study, time.time() - (time.monotonic() - started_s) + plan.settings.budget_s
+                                - finish_reserve_s(plan.settings.budget_s))
     if on_open:
         on_open(plan, finished_trials(study))
     report_path = Path(report_dir) / f"{plan.study_name}.html" if report_dir is not None else None

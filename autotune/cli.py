@@ -134,6 +134,11 @@ def _add_strategy_flag(p: argparse.ArgumentParser) -> None:
     )
 
 
+def stopped_exit_code() -> int:
+    """The exit code of a run stopped before its end: 143 after SIGTERM, else 130 (Ctrl-C)."""
+    return EXIT_TERMINATED if received_sigterm() else EXIT_INTERRUPTED
+
+
 def recorded_command(argv: Sequence[str]) -> str:
     """The command line as the study and its report keep it, a storage password masked (``--storage URL``)."""
     from autotune.storage import describe
@@ -184,7 +189,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if done.best_json_path is not None:
         console.print(f"best configuration written to {done.best_json_path}")
     if done.search.stopped_because == "interrupted":  # stopped by the user or a scheduler, whatever was found
-        return EXIT_TERMINATED if received_sigterm() else EXIT_INTERRUPTED
+        return stopped_exit_code()
     if result.best is None:
         raise no_result_error(result)  # nothing fits (exit 3), or no probe finished (exit 4)
     return 0
@@ -214,7 +219,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     import autotune.studies as studies
     from autotune.api import RunOptions, plan_run, run_plan
     from autotune.console import LiveProgress
-    from autotune.workers import PARENT_RUN_ENV, options_for_worker, parse_gpus, run_workers, worker_command
+    from autotune.workers import PARENT_RUN_ENV, options_for_worker, parse_gpus, run_workers
 
     if os.environ.get(PARENT_RUN_ENV):  # started by `autotune run --gpus`: end with it, even if it is kill -9'd
         from autotune.probe.lifetime import die_with_parent
@@ -225,8 +230,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     gpus = parse_gpus(args.gpus)
     if gpus is not None:  # one worker process per GPU, each of them this command with --device cuda:N
         outcome = run_workers(study, args.storage, [f"cuda:{gpu}" for gpu in gpus], int(settings["memory_ceiling_bytes"]),
-                              command=lambda device: worker_command(args.storage, args.study, device, n_trials=args.n_trials))
-        return EXIT_TERMINATED if received_sigterm() else EXIT_INTERRUPTED if outcome.stopped_because == "interrupted" else 0
+                              n_trials=args.n_trials)
+        return stopped_exit_code() if outcome.stopped_because == "interrupted" else 0
     options = options_for_worker(settings, storage=args.storage, study=args.study, device=args.device, budget=args.budget,
                                  n_trials=args.n_trials, seed_offset=1 + os.getpid() % 10_000)
     plan = plan_run(RunOptions(**options))
@@ -237,7 +242,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     console.print(f"worker done: {done.search.probes_run} probes ({done.search.stopped_because}); "
                   f"`autotune report {args.study} --storage ...` shows the whole study")
     if done.search.stopped_because == "interrupted":
-        return EXIT_TERMINATED if received_sigterm() else EXIT_INTERRUPTED
+        return stopped_exit_code()
     return 0
 
 

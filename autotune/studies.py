@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import optuna
+import psutil
 from optuna.trial import FrozenTrial, TrialState
 
 import autotune.storage as storage_lib
@@ -449,7 +450,7 @@ def _death(trial: FrozenTrial, host: str, now_unix_s: float, grace_s: float) -> 
     if owner_text == owner():
         return None
     owner_host, _, pid = owner_text.rpartition(":")
-    if owner_host == host and pid.isdigit() and not _pid_alive(int(pid)):
+    if owner_host == host and pid.isdigit() and not psutil.pid_exists(int(pid)):
         return "interrupted: the run that started it is gone"
     last_s = trial.user_attrs.get(ATTR_HEARTBEAT)
     if last_s is None and trial.datetime_start is not None:
@@ -775,16 +776,6 @@ def deadline_unix_s(study: optuna.Study) -> float | None:
     """When the shared budget ends (``time.time()``), as :func:`record_deadline` stored it; None: no deadline."""
     value = study.user_attrs.get(STUDY_DEADLINE_ATTR)
     return float(value) if value is not None else None
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def start_remeasure(study: optuna.Study, first_number: int, round_: int | None = None) -> optuna.Trial:

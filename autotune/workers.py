@@ -32,8 +32,9 @@ from typing import Any
 import optuna
 
 import autotune.studies as studies
-from autotune.errors import DeviceError, UsageError
+from autotune.errors import EXIT_INTERRUPTED, EXIT_NO_RESULT, EXIT_NOTHING_FITS, EXIT_TERMINATED, DeviceError, UsageError
 from autotune.params import TrialParams
+from autotune.records import ProbeStatus
 from autotune.search.loop import SearchOutcome, TrialRecord
 from autotune.space import SearchSpace
 
@@ -176,7 +177,7 @@ def run_workers(
             outcome.records.append(record)
             outcome.probes_run += 1
             outcome.remeasures += record.remeasure_of is not None
-            outcome.oom_probes += record.result.status.value == "oom"
+            outcome.oom_probes += record.result.status is ProbeStatus.OOM
             if on_trial:
                 on_trial(record)
 
@@ -193,9 +194,11 @@ def run_workers(
             proc.wait()
     follow()
     codes = [p.returncode for p in procs]
-    if any(code in (130, 143) for code in codes):
+    stopped = (EXIT_INTERRUPTED, EXIT_TERMINATED)
+    if any(code in stopped for code in codes):
         outcome.stopped_because = "interrupted"
-    failed = [(device, code) for device, code in zip(devices, codes) if code not in (0, 130, 143, 3, 4)]
+    # A worker that found nothing (3, 4) has not failed: the study as a whole is what counts.
+    failed = [(device, code) for device, code in zip(devices, codes) if code not in (0, *stopped, EXIT_NOTHING_FITS, EXIT_NO_RESULT)]
     if failed:
         raise UsageError("worker(s) failed: " + ", ".join(f"{device} exited with {code}" for device, code in failed)
                          + ": run `autotune worker --storage ... --study ... --device DEVICE` alone to see why")
