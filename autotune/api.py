@@ -47,7 +47,7 @@ CEILING_SAFETY_FRACTION = 0.95  # leave 5% of the device below the ceiling for t
 # --isolation: how each probe's process starts -> autotune.probe.isolation's mode.
 ISOLATION_MODES: dict[str, IsolationMode] = {"fork": "forkserver", "cold": "cold"}
 # A resumed study must agree on these (the memory ceiling may change; the device is checked by name).
-_MUST_MATCH = ("model_config_sha1", "seq_len", "space", "effective_batch_size", "dataset", "peft")
+_MUST_MATCH = ("model_config_sha1", "seq_len", "space", "effective_batch_size", "dataset", "peft", "trainer")
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class RunOptions:
 
     Attributes:
         model: a built-in name (``autotune models``), a Hugging Face hub id, or a local directory
-            with a ``config.json``.
+            with a ``config.json``; None: :data:`DEFAULT_MODEL` (or, with ``trainer``, the factory's model).
         budget: wall-clock budget of the whole run, probes included (``"30m"``, ``"90s"``, ``"2h"``
             or seconds); None: no time limit (give ``n_trials``).
         n_trials: at most this many exploring probes in this run (near-tie re-measures, at most 3,
@@ -66,7 +66,7 @@ class RunOptions:
             default: 95% of the device's memory.
         effective_batch_size: keep ``per_device_train_batch_size * gradient_accumulation_steps``
             equal to this, so tuning never changes the optimisation.
-        seq_len: tokens per sample.
+        seq_len: tokens per sample; None: :data:`DEFAULT_SEQ_LEN` (with ``trainer``: the length of its first batch).
         device: ``auto``, ``cuda``, ``cuda:N`` or ``cpu``.
         storage: an Optuna storage URL (default: ``sqlite:///autotune.db``).
         study: the study name; the same name resumes the study (default: from model, seq-len, device).
@@ -98,15 +98,22 @@ class RunOptions:
         lora_dropout: dropout on the adapters' input (default 0, peft's).
         lora_target_modules: module names to wrap (``"q_proj,v_proj"`` or a list); default: peft's
             default for the architecture.
+        trainer: tune your own training: ``"my_train.py:make_trainer"`` or ``"package.module:make_trainer"``
+            (imported with the current directory first on ``sys.path``), a function
+            ``make_trainer(args: TrainingArguments, attn_implementation: str | None) -> transformers.Trainer``
+            (any subclass, e.g. TRL's ``SFTTrainer``) that builds your model, data and Trainer with the
+            arguments it is given. It runs only in the probes' child processes (and one plan-time check);
+            its model and data replace ``model``, ``dataset``, ``peft`` and ``seq_len``, which must not be
+            given with it (:mod:`autotune.probe.user_trainer`).
     """
 
-    model: str = DEFAULT_MODEL
+    model: str | None = None
     budget: str | float | None = "30m"
     n_trials: int | None = None
     space: str | SearchSpace = "default"
     memory_ceiling: str | int | None = None
     effective_batch_size: int | None = None
-    seq_len: int = DEFAULT_SEQ_LEN
+    seq_len: int | None = None
     device: str | DeviceInfo = "auto"
     storage: str | None = None
     study: str | None = None
@@ -125,6 +132,7 @@ class RunOptions:
     lora_alpha: float | None = None
     lora_dropout: float | None = None
     lora_target_modules: str | Sequence[str] | None = None
+    trainer: Any = None  # a reference string, or an autotune.probe.user_trainer.TrainerRef (a worker: the study's)
 
     @classmethod
     def of(cls, **values: Any) -> RunOptions:
@@ -163,6 +171,7 @@ class RunPlan:
     gpus: list[int] | None = None  # one worker process per GPU (autotune.workers); None: probe here
     peft: Any = None  # autotune.lora.LoraSettings; None: every weight is trained
     parameters: Any = None  # autotune.lora.ParameterCounts of the model as trained (with peft); None: all trainable
+    trainer: Any = None  # autotune.probe.trainer_check.UserTrainer: the user's factory, checked; None: the built-in path
 
     def study_attrs(self, command: str | None) -> dict[str, Any]:
         from autotune.models import count_parameters
@@ -172,7 +181,7 @@ class RunPlan:
             "model": self.model.name,
             "model_source": self.model.source,
             "model_config_sha1": _config_hash(self.model.config),
-            "num_parameters": count_parameters(self.model),
+            "num_parameters": self.parameters.total if self.trainer else count_parameters(self.model),
             "seq_len": self.seq_len,
             "device": self.device.to_dict(),
             "memory_ceiling_bytes": self.memory_ceiling_bytes,
@@ -183,10 +192,12 @@ class RunPlan:
             "strategy": self.strategy,
             "peft": self.peft.to_dict() if self.peft else None,
             "parameters": self.parameters.to_dict() if self.parameters else None,
+            "trainer": self.trainer.ref.reference if self.trainer else None,
             # What a worker joining from elsewhere needs to probe exactly as this run does (autotune.workers).
             "probe": {
                 "warmup_steps": self.warmup_steps, "measure_steps": self.measure_steps,
                 "trial_timeout_s": self.settings.trial_timeout_s, "seed": self.settings.seed, "isolation": self.isolation,
+                "trainer_sys_path": self.trainer.ref.sys_path if self.trainer else None,
             },
             "command": command,
             "versions": package_versions(),
@@ -250,9 +261,10 @@ def plan_run(options: RunOptions) -> RunPlan:
     if options.warmup_steps < 1 or options.measure_steps < 1:
         raise UsageError("--warmup-steps and --measure-steps must be at least 1")
     trial_timeout_s = parse_duration_s(options.trial_timeout)
-    model_spec = resolve_model(options.model)
-    seq_len = options.seq_len
-    if seq_len <= 0 or seq_len > model_spec.max_positions:
+    trainer_ref = _trainer_ref(options)  # parsed and checked against the options it replaces; nothing imported
+    model_spec = resolve_model(options.model or DEFAULT_MODEL) if trainer_ref is None else None
+    seq_len = options.seq_len if options.seq_len is not None else DEFAULT_SEQ_LEN
+    if model_spec is not None and (seq_len <= 0 or seq_len > model_spec.max_positions):
         raise UsageError(
             f"--seq-len {seq_len} is outside 1..{model_spec.max_positions}, the limit of {model_spec.name}: "
             f"use --seq-len {min(DEFAULT_SEQ_LEN, model_spec.max_positions)} or less"
@@ -264,6 +276,10 @@ def plan_run(options: RunOptions) -> RunPlan:
         device_info = _same_kind_gpus(gpus, options.device)
     else:
         device_info = options.device if isinstance(options.device, DeviceInfo) else detect_device(options.device)
+    user = None
+    if trainer_ref is not None:  # the user's factory, called once in a child process: the parent never imports it
+        user, model_spec = _user_trainer_plan(trainer_ref, device_info, trial_timeout_s, ISOLATION_MODES[options.isolation])
+        seq_len = user.seq_len
     if options.memory_ceiling is None:
         ceiling = int(CEILING_SAFETY_FRACTION * device_info.total_memory_bytes)
     else:
@@ -274,17 +290,18 @@ def plan_run(options: RunOptions) -> RunPlan:
                 f"of {device_info.name}: use at most {format_bytes(device_info.total_memory_bytes)} or a fraction like 0.9"
             )
     loaded = options.space if isinstance(options.space, SearchSpace) else load_space(options.space)
-    supports_sdpa, supports_flash = model_attention_support(model_spec)
+    supports_sdpa, supports_flash = (user.supports_sdpa, user.supports_flash) if user else model_attention_support(model_spec)
     restricted = loaded.restrict(
         device_info,
         effective_batch_size=options.effective_batch_size,
         model_supports_sdpa=supports_sdpa,
         model_supports_flash=supports_flash,
+        model_type=getattr(model_spec, "model_type", None),  # Liger kernels exist for some model types only
     )
     if device_info.is_cuda and restricted.batch_growth():  # a CPU probe gains nothing from huge batches; a GPU may fit far more than 128
         # Bounded by the device's memory, not the ceiling: a resumed study may change its ceiling, not its space.
         restricted = restricted.with_batches_up_to(
-            largest_lean_batch(model_spec, seq_len, device_info.total_memory_bytes, restricted))
+            largest_lean_batch(model_spec, seq_len, device_info.total_memory_bytes, restricted, counts=user.parameters if user else None))
     baseline = restricted.baseline()
     if not supports_sdpa:
         baseline = baseline.replace(attn_implementation="eager")
@@ -293,7 +310,10 @@ def plan_run(options: RunOptions) -> RunPlan:
     restricted = restricted.including(baseline)
     dataset_spec = _dataset_spec(options.dataset, options.text_column, options.tokenizer, model_spec)
     lora, counts = _peft_plan(options, model_spec, device_info)
-    study_name = options.study or default_study_name(options.model, seq_len, device_info, options.effective_batch_size, lora)
+    if user is not None:
+        counts = user.parameters
+    name = user.ref.label if user else options.model or DEFAULT_MODEL
+    study_name = options.study or default_study_name(name, seq_len, device_info, options.effective_batch_size, lora)
     plan = RunPlan(
         model=model_spec,
         device=device_info,
@@ -315,6 +335,7 @@ def plan_run(options: RunOptions) -> RunPlan:
         gpus=gpus,
         peft=lora,
         parameters=counts,
+        trainer=user,
     )
     if gpus and not isinstance(plan.storage, str):
         raise UsageError("--gpus starts worker processes, which open the storage by its URL: pass storage as a URL "
@@ -322,6 +343,55 @@ def plan_run(options: RunOptions) -> RunPlan:
     if options.study is None:
         plan = dataclasses.replace(plan, study_name=_own_study_name(plan))
     return plan
+
+
+def _trainer_ref(options: RunOptions) -> Any:
+    """``--trainer`` parsed (nothing imported; a file must exist) and refused with the options its factory
+    replaces: an :class:`autotune.probe.user_trainer.TrainerRef`, or None without ``--trainer``.
+
+    Raises:
+        UsageError: a malformed reference, a missing file, or ``--model``/``--dataset``/``--peft``/``--seq-len``
+            (and their companions) given with it.
+    """
+    if options.trainer is None:
+        return None
+    from autotune.probe.user_trainer import TrainerRef, parse_trainer_ref
+
+    given = [flag for flag, value in (
+        ("--model", options.model), ("--dataset", options.dataset), ("--tokenizer", options.tokenizer), ("--peft", options.peft),
+        ("--lora-r", options.lora_r), ("--lora-alpha", options.lora_alpha), ("--lora-dropout", options.lora_dropout),
+        ("--lora-target-modules", options.lora_target_modules), ("--seq-len", options.seq_len),
+    ) if value is not None]
+    if given:
+        flags = " and ".join([", ".join(given[:-1]), given[-1]] if len(given) > 1 else given)
+        raise UsageError(f"--trainer builds its own model and data (and adapters, and batches of its own length): "
+                         f"drop {flags}, or drop --trainer to tune a model from its config")
+    return options.trainer if isinstance(options.trainer, TrainerRef) else parse_trainer_ref(str(options.trainer))
+
+
+def _user_trainer_plan(ref: Any, device: DeviceInfo, timeout_s: float, mode: IsolationMode) -> tuple[Any, Any]:
+    """The plan-time check of the user's factory, in a child process on the run's device, started as the
+    probes are (``mode``; :func:`autotune.probe.trainer_check.inspect_trainer`), and a ModelSpec of the model it
+    builds (for the memory model and the study's identity): (UserTrainer, ModelSpec). The check runs with seed 0
+    whatever the run's seed, so a worker joining the study (another seed) finds the same first batch.
+
+    Raises:
+        UsageError: anything wrong with the factory, in one line; a model config without the
+            dimensions the memory model needs.
+    """
+    from autotune.models import ModelSpec
+    from autotune.probe.trainer_check import inspect_trainer
+
+    user = inspect_trainer(ref, device=f"cuda:{device.index}" if device.is_cuda else "cpu",
+                           device_uuid=device.uuid if device.is_cuda else None, timeout_s=timeout_s, mode=mode)
+    spec = ModelSpec(name=f"{ref.where}:{ref.function}", source="trainer", config=user.config)
+    try:
+        for prop in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size"):
+            getattr(spec, prop)
+    except KeyError as error:
+        raise UsageError(f"the model {ref.function} builds: {error.args[0]}; autotune's memory model needs it: "
+                         "set it on the model's config") from None
+    return user, spec
 
 
 def _peft_plan(options: RunOptions, model: Any, device: DeviceInfo) -> tuple[Any, Any]:
@@ -341,22 +411,24 @@ def _peft_plan(options: RunOptions, model: Any, device: DeviceInfo) -> tuple[Any
     return settings, parameter_counts(model, settings)
 
 
-def largest_lean_batch(model: Any, seq_len: int, memory_bytes: int, space: SearchSpace) -> int:
+def largest_lean_batch(model: Any, seq_len: int, memory_bytes: int, space: SearchSpace, *, counts: Any = None) -> int:
     """The largest batch size :meth:`SearchSpace.batch_growth` offers that the memory model predicts
     fits in ``memory_bytes`` for the leanest configuration of ``space`` (checkpointing, a 16-bit
-    precision, the smallest optimizer state, a fused attention kernel, where the space allows them);
-    0 when none does. No configuration of the space fits a larger one, so it bounds the batch sizes
-    worth adding (:meth:`SearchSpace.with_batches_up_to`)."""
+    precision, the smallest optimizer state, a fused attention kernel, Liger kernels, where the space allows
+    them); 0 when none does. No configuration of the space fits a larger one, so it bounds the batch sizes
+    worth adding (:meth:`SearchSpace.with_batches_up_to`). ``counts``: the model's parameters as trained
+    (a user's Trainer's), instead of counting them from the config."""
     from autotune.search.memory import MemoryModel, ModelDims, static_memory
 
-    dims = ModelDims.from_spec(model)
+    dims = ModelDims.from_spec(model, counts=counts)
     choices = space.choices
-    precision = next((p for p in ("bf16", "fp16") if p in choices["precision"]), choices["precision"][0])
+    precision = next((p for p in ("bf16", "fp16", "bf16+tf32", "fp16+tf32") if p in choices["precision"]), choices["precision"][0])
     optim = min(choices["optim"], key=lambda o: static_memory(dims, precision, o).total_bytes)
     attention = next((a for a in ("flash_attention_2", "flash_attention_3", "sdpa") if a in choices["attn_implementation"]),
                      choices["attn_implementation"][0])
     lean = TrialParams(precision=precision, optim=optim, attn_implementation=attention,
-                       gradient_checkpointing=True in choices["gradient_checkpointing"])
+                       gradient_checkpointing=True in choices["gradient_checkpointing"],
+                       use_liger_kernel=True in choices.get("use_liger_kernel", ()))
     return MemoryModel(dims, seq_len).largest_batch_that_fits(lean, space.batch_growth(), memory_bytes) or 0
 
 
@@ -450,6 +522,8 @@ def plan_evaluator(plan: RunPlan) -> Evaluator:
         device_uuid=plan.device.uuid if plan.device.is_cuda else None,
         owner_note={"study": plan.study_name, "storage": storage_id(plan.storage)},
         peft=plan.peft.to_dict() if plan.peft else None,
+        trainer=plan.trainer.ref.reference if plan.trainer else None,
+        trainer_sys_path=plan.trainer.ref.sys_path if plan.trainer else None,
     )
 
 
@@ -662,7 +736,7 @@ _DEFAULT = object()
 
 
 def tune(
-    model: str = DEFAULT_MODEL,
+    model: str | None = None,
     *,
     evaluator: Evaluator | None = None,
     on_trial: Callable[[TrialRecord], None] | None = None,
@@ -675,7 +749,7 @@ def tune(
 
     Args:
         model: a built-in name (``autotune models``), a Hugging Face hub id, or a local directory
-            with a ``config.json``.
+            with a ``config.json`` (default :data:`DEFAULT_MODEL`); leave it out with ``trainer=``.
         evaluator: replaces the real probes (tests, replays).
         on_trial: called after each finished trial.
         report_dir: where ``<study>.html`` is written (None: no report); default ``reports/`` under
@@ -688,7 +762,7 @@ def tune(
             (default: ``sqlite:///<user_dir()>/autotune.db``), ``study``, ``seed``, ``trial_timeout``,
             ``warmup_steps``, ``measure_steps``, ``dataset``, ``text_column``, ``tokenizer``,
             ``strategy``, ``isolation``, ``peft``, ``lora_r``, ``lora_alpha``, ``lora_dropout``,
-            ``lora_target_modules`` (each documented there).
+            ``lora_target_modules``, ``trainer="my_train.py:make_trainer"`` (your own Trainer; each documented there).
 
     Returns:
         The :class:`TuneResult`: ``best_training_arguments()``, ``best_params``, ``baseline``,

@@ -27,6 +27,8 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
         ("autotune run --space quick --n-trials 10", "a quick look with the small built-in space"),
         ("autotune run --model ./my-model --dataset train.jsonl --text-column text", "probe on real data (tokenised in the workers)"),
         ("autotune run --model polyglot-ko-1.3b --gpus 0,1,2,3 --budget 30m", "one worker per GPU, one search (a journal file study)"),
+        ("autotune run --trainer my_train.py:make_trainer --budget 30m",
+         "tune your own training: make_trainer(args, attn_implementation) returns your Trainer (SFTTrainer too)"),
     ],
     "estimate": [
         ("autotune estimate --model polyglot-ko-1.3b --seq-len 1024", "predicted peak memory and largest batch, on an 80 GiB card"),
@@ -78,13 +80,17 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
         epilog=_epilog("run"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", default=DEFAULT_MODEL, help=f"built-in name, hub id or local dir (default: {DEFAULT_MODEL})")
+    p.add_argument("--model", default=None, help=f"built-in name, hub id or local dir (default: {DEFAULT_MODEL})")
+    p.add_argument("--trainer", default=None,
+                   help="your own training instead of --model: FILE.py:FUNC or package.module:FUNC, a function "
+                   "FUNC(args, attn_implementation) that returns your transformers.Trainer (any subclass, e.g. TRL's SFTTrainer) "
+                   "built with those TrainingArguments; its model, data and sequence length are what is tuned")
     p.add_argument("--budget", default="30m", help="wall time of the whole run: 90s, 30m, 2h (default: 30m)")
     p.add_argument("--n-trials", type=int, default=None, help="at most this many exploring probes (near-tie re-measures come on top)")
     p.add_argument("--space", default="default", help="built-in space name or YAML path (default: default)")
     p.add_argument("--memory-ceiling", default=None, help="e.g. 40GiB or 0.8 of the device (default: 95%% of it)")
     p.add_argument("--effective-batch-size", type=int, default=None, help="keep batch x accumulation = N")
-    p.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN, help=f"tokens per sample (default: {DEFAULT_SEQ_LEN})")
+    p.add_argument("--seq-len", type=int, default=None, help=f"tokens per sample (default: {DEFAULT_SEQ_LEN})")
     p.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu (default: auto)")
     p.add_argument("--storage", default=None,
                    help=f"sqlite:///FILE, postgresql://user@host/db, journal:///FILE.log or another Optuna storage URL "
@@ -261,6 +267,8 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--space", default="default", help="space whose precisions, optimizers and batch sizes to tabulate (default: default)")
     p.add_argument("--attn", default="sdpa", help="attention implementation assumed: eager, sdpa, flash_attention_2, flash_attention_3 "
                    "or flex_attention (default: sdpa)")
+    p.add_argument("--liger-kernel", action="store_true",
+                   help="assume use_liger_kernel (Liger's fused linear cross-entropy keeps no logits tensor)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     _add_peft_flags(p, dropout=False)
     p.set_defaults(func=cmd_estimate)
@@ -274,12 +282,13 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
     estimate = estimate_table(args.model, seq_len=args.seq_len, device_memory_bytes=parse_bytes(args.device_memory),
                               space=args.space, attn_implementation=args.attn, peft=args.peft, lora_r=args.lora_r,
-                              lora_alpha=args.lora_alpha, lora_target_modules=args.lora_target_modules)
+                              lora_alpha=args.lora_alpha, lora_target_modules=args.lora_target_modules,
+                              use_liger_kernel=args.liger_kernel)
     if args.json:
         print(json.dumps(estimate.to_dict()))
         return 0
-    print(f"{estimate.model}: {estimate.num_parameters:,} parameters, seq-len {estimate.seq_len}, attention {estimate.attn_implementation}, "
-          f"fits in {format_bytes(estimate.device_memory_bytes)}")
+    print(f"{estimate.model}: {estimate.num_parameters:,} parameters, seq-len {estimate.seq_len}, attention {estimate.attn_implementation}"
+          f"{', Liger kernels' if estimate.use_liger_kernel else ''}, fits in {format_bytes(estimate.device_memory_bytes)}")
     if estimate.peft is not None:
         quantized = f", {estimate.quantized_parameters:,} of them in 4 bits" if estimate.quantized_parameters else ""
         print(f"{estimate.peft}: {estimate.trainable_parameters:,} trainable ({estimate.trainable_parameters / estimate.num_parameters:.3%}), "
@@ -385,9 +394,17 @@ def cmd_models(args: argparse.Namespace) -> int:
 def cmd_spaces(args: argparse.Namespace) -> int:
     from autotune.space import builtin_space_names, load_space
 
+    def text(value: object) -> str:  # as in the YAML file
+        return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
     for name in builtin_space_names():
         space = load_space(name)
-        print(f"{name:<10} {space.size:>7,} configurations  " + ", ".join(f"{k}={len(v)}" for k, v in space.choices.items()))
+        print(f"{name:<10} {space.size:>7,} configurations")
+        for key, values in space.choices.items():
+            note = "  (fixed)" if len(values) == 1 else ""
+            if key == "per_device_train_batch_size" and space.grow_batches_by:
+                note = "  (and more on a GPU while they fit: grow: memory)"
+            print(f"  {key:<30} {', '.join(text(v) for v in values)}{note}")
     return 0
 
 

@@ -116,6 +116,14 @@ def print_header(console: Console, plan: Any, resumed: int) -> None:
         counts = plan.parameters
         trained = f": {counts.trainable:,} of {counts.total:,} parameters trainable" if counts is not None else ""
         console.print(f"  {plan.peft.describe()}{trained} (the adapters are fixed, not tuned)", soft_wrap=True)
+    trainer = getattr(plan, "trainer", None)  # a user's Trainer factory (--trainer): autotune.probe.trainer_check.UserTrainer
+    if trainer is not None:
+        counts = plan.parameters
+        console.print(f"  your {trainer.trainer_class.rsplit('.', 1)[-1]} from {trainer.ref.reference}: "
+                      f"{counts.trainable:,} of {counts.total:,} parameters trainable, first batch {plan.seq_len} tokens long", soft_wrap=True)
+        if trainer.args_changed:
+            console.print(f"warning: {trainer.ref.function} changes TrainingArguments it is given ({', '.join(trainer.args_changed)}): "
+                          "the probes measure what your Trainer runs, so those are not tuned", style="yellow", soft_wrap=True)
     console.print(f"study '{plan.study_name}' in {describe_storage(plan.storage)}", style="dim")
     for dropped in plan.space.dropped:
         console.print(f"  dropped {dropped}", style="yellow")
@@ -124,12 +132,13 @@ def print_header(console: Console, plan: Any, resumed: int) -> None:
         console.print(f"  effective batch size fixed at {ebs}: accumulation = {ebs} / batch size")
 
 
-# The ranked table: every parameter in its own column where the terminal is wide enough; else one
+# The ranked table: every parameter in its own column where the terminal is wide enough (the knobs
+# added later share an "other" column, shown when a row sets one: TrialParams.other_settings); else one
 # "configuration" column (folded over lines, never cut short) and the figures, the least needed
 # figures left out first (the caption names them).
 _WIDE = (
     ("#", "right"), ("trial", "right"), ("batch x accum", "left"), ("precision", "left"), ("optim", "left"),
-    ("compile", "left"), ("attention", "left"), ("workers", "right"), ("ckpt", "left"), ("samples/s", "right"),
+    ("compile", "left"), ("attention", "left"), ("workers", "right"), ("ckpt", "left"), ("other", "left"), ("samples/s", "right"),
     ("probes", "right"), ("tokens/s", "right"), ("peak memory", "right"), ("vs baseline", "right"),
 )
 _COMPACT = (("#", "right"), ("configuration", "left"), ("samples/s", "right"), ("vs baseline", "right"),
@@ -163,6 +172,7 @@ def ranked_table(result: TuneResult, top: int = 10, *, width: int | None = None)
             "attention": params.attn_implementation,
             "workers": str(params.dataloader_num_workers),
             "ckpt": "yes" if params.gradient_checkpointing else "no",
+            "other": params.other_settings(),
             "configuration": params.short() + (" (baseline)" if row["is_baseline"] else ""),
             "samples/s": f"{row['samples_per_s']:,.1f}",
             "probes": str(int(row["n_measurements"])),
@@ -188,8 +198,9 @@ def _layout(figures: list[dict[str, str]], width: int | None) -> tuple[list[tupl
         # rich's box: a space either side of each value and a rule between columns and at both ends
         return sum(max(len(h), *(len(f[h]) for f in figures)) + 3 for h, _ in columns) + 1
 
-    if width is None or needed(_WIDE) <= width:
-        return list(_WIDE), []
+    wide = tuple(c for c in _WIDE if c[0] != "other" or any(f["other"] for f in figures))
+    if width is None or needed(wide) <= width:
+        return list(wide), []
     columns = list(_COMPACT)
     hidden: list[str] = []
     for header in _COMPACT_DROP_ORDER:

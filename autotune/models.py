@@ -48,8 +48,9 @@ __all__ = [
     "resolve_model",
 ]
 
-ModelSource = Literal["builtin", "hub", "local"]
-_SOURCES: tuple[str, ...] = ("builtin", "hub", "local")
+# "trainer": the model a user's Trainer factory builds (``--trainer``, :mod:`autotune.probe.user_trainer`), its config read there.
+ModelSource = Literal["builtin", "hub", "local", "trainer"]
+_SOURCES: tuple[str, ...] = ("builtin", "hub", "local", "trainer")
 
 #: Built-in model name -> short description (architecture, size). Each has a bundled config in
 #: ``autotune/model_configs/<name>.json``; the real models also record their Hub id there.
@@ -95,7 +96,8 @@ class ModelSpec:
     Attributes:
         name: The model as the user named it; for a built-in model its canonical built-in name
             (so ``Pythia-160M`` and ``EleutherAI/pythia-160m`` both give ``pythia-160m``).
-        source: Where the config came from: ``"builtin"``, ``"hub"`` or ``"local"``.
+        source: Where the config came from: ``"builtin"``, ``"hub"``, ``"local"``, or ``"trainer"`` (the
+            model of a user's Trainer factory; see :mod:`autotune.probe.user_trainer`).
         config: The model's config as a JSON-serialisable dict; it includes ``model_type``.
         hub_id: The Hugging Face Hub id the config comes from, for reports; ``None`` for local
             directories and the tiny built-in test models.

@@ -8,10 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any
 
-PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
+# fp32 | tf32 (fp32 weights, TF32 matmuls) | fp16 | bf16 (autocast mixed precision, fp32 master weights) |
+# fp16+tf32 | bf16+tf32 (the same, with TF32 for the matmuls autocast leaves in fp32, as the transformers
+# GPU guide combines bf16=True, tf32=True).
+PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "fp16+tf32", "bf16+tf32")
+AMP_PRECISIONS = ("fp16", "bf16")  # the 16-bit compute dtypes of autocast mixed precision
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 COMPILE_BACKENDS = ("inductor", "cudagraphs", "aot_eager", "eager", "onnxrt", "tvm", "openxla")
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
@@ -20,6 +25,12 @@ ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3
 DEFAULT_BATCH_SIZE = 8
 DEFAULT_OPTIM = "adamw_torch_fused"
 DEFAULT_ATTN = "sdpa"
+# DataLoader settings of its worker processes: with dataloader_num_workers = 0 there are none, so these
+# mean nothing (and TrainingArguments refuses a prefetch factor). The one rule for them: such a point
+# holds them at transformers' defaults (TrialParams.__post_init__), like a fixed effective batch size
+# derives accumulation, so equal trainings have equal keys and TrainingArguments never sees them.
+WORKER_ONLY_PARAMS = ("dataloader_persistent_workers", "dataloader_prefetch_factor")
+_OPTIONAL_INT_PARAMS = ("torch_empty_cache_steps", "dataloader_prefetch_factor")
 
 
 @dataclass(frozen=True)
@@ -28,12 +39,34 @@ class TrialParams:
 
     per_device_train_batch_size: int = DEFAULT_BATCH_SIZE
     gradient_accumulation_steps: int = 1
-    precision: str = "fp32"  # fp32 | tf32 | fp16 | bf16 (the last two as mixed precision, fp32 master weights)
+    precision: str = "fp32"  # one of PRECISIONS
     optim: str = DEFAULT_OPTIM  # a TrainingArguments `optim` name
     torch_compile: str = "off"  # "off" or "backend[:mode]", e.g. "inductor", "inductor:max-autotune"
     attn_implementation: str = DEFAULT_ATTN  # passed to from_pretrained/from_config, not to TrainingArguments
     dataloader_num_workers: int = 0
     gradient_checkpointing: bool = False
+    # Added later (KNOBS_ADDED_LATER), each at transformers' default, so a study or replay table from
+    # before them reads as that default. All are TrainingArguments fields of the same name.
+    use_liger_kernel: bool = False  # Liger's Triton kernels (fused linear cross-entropy: no logits tensor)
+    torch_empty_cache_steps: int | None = None  # torch.cuda.empty_cache() every N steps; None: never
+    dataloader_pin_memory: bool = True
+    dataloader_persistent_workers: bool = False  # only with workers (WORKER_ONLY_PARAMS)
+    dataloader_prefetch_factor: int | None = None  # batches loaded ahead per worker; None: torch's 2 (only with workers)
+
+    def __post_init__(self) -> None:
+        # One form per configuration: integers read back from data frames (numpy scalars, floats with
+        # NaN for None) become Python values, and the worker-only settings of a point without workers
+        # are held at their defaults (WORKER_ONLY_PARAMS).
+        for name in KNOBS_ADDED_LATER:
+            value = getattr(self, name)
+            if hasattr(value, "item"):
+                value = value.item()
+            if name in _OPTIONAL_INT_PARAMS and isinstance(value, float):
+                value = None if math.isnan(value) else int(value)
+            if self.dataloader_num_workers == 0 and name in WORKER_ONLY_PARAMS:
+                value = _FIELD_DEFAULTS[name]
+            if value is not getattr(self, name):
+                object.__setattr__(self, name, value)
 
     @property
     def effective_batch_size(self) -> int:
@@ -64,11 +97,10 @@ class TrialParams:
             "dataloader_num_workers": self.dataloader_num_workers,
             checkpointing_field(): self.gradient_checkpointing,
         }
-        if self.precision == "bf16":
-            kwargs["bf16"] = True
-        elif self.precision == "fp16":
-            kwargs["fp16"] = True
-        elif self.precision == "tf32":
+        amp = mixed_precision_dtype(self.precision)
+        if amp is not None:
+            kwargs[amp] = True  # bf16=True or fp16=True
+        if uses_tf32(self.precision):
             kwargs["tf32"] = True
         backend, mode = parse_compile(self.torch_compile)
         if backend is not None:
@@ -76,6 +108,11 @@ class TrialParams:
             kwargs["torch_compile_backend"] = backend
             if mode is not None:
                 kwargs["torch_compile_mode"] = mode
+        # The later knobs only where they differ from transformers' default (worker-only ones are at
+        # their default without workers: __post_init__), so older exports read unchanged.
+        for name in KNOBS_ADDED_LATER:
+            if getattr(self, name) != _FIELD_DEFAULTS[name]:
+                kwargs[name] = getattr(self, name)
         return kwargs
 
     def short(self) -> str:
@@ -92,10 +129,48 @@ class TrialParams:
             parts.append("ckpt")
         if self.dataloader_num_workers:
             parts.append(f"w{self.dataloader_num_workers}")
+        other = self.other_settings()
+        if other:
+            parts.append(other)
+        return " ".join(parts)
+
+    def other_settings(self) -> str:
+        """The knobs added later (:data:`KNOBS_ADDED_LATER`) that differ from their defaults, compactly
+        (``"prefetch4 persistent no-pin empty-cache/4 liger"``); "" when all are at their defaults."""
+        parts = []
+        if self.dataloader_prefetch_factor is not None:
+            parts.append(f"prefetch{self.dataloader_prefetch_factor}")
+        if self.dataloader_persistent_workers:
+            parts.append("persistent")
+        if not self.dataloader_pin_memory:
+            parts.append("no-pin")
+        if self.torch_empty_cache_steps is not None:
+            parts.append(f"empty-cache/{self.torch_empty_cache_steps}")
+        if self.use_liger_kernel:
+            parts.append("liger")
         return " ".join(parts)
 
 
 PARAM_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(TrialParams))
+# Dimensions added after studies, replay tables and exports existed: where one is missing it reads as
+# its default (a replay table without the column, a stored space or trial from before it), and a space
+# holding it at its default alone stores it no more, so such studies resume under the same name.
+KNOBS_ADDED_LATER: tuple[str, ...] = (
+    "use_liger_kernel", "torch_empty_cache_steps", "dataloader_pin_memory", "dataloader_persistent_workers",
+    "dataloader_prefetch_factor",
+)
+_FIELD_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(TrialParams)}
+
+
+def mixed_precision_dtype(precision: str) -> str | None:
+    """The autocast dtype of a mixed-precision ``precision`` (``"bf16"`` for bf16 and bf16+tf32), else None."""
+    base = precision.removesuffix("+tf32")
+    return base if base in AMP_PRECISIONS else None
+
+
+def uses_tf32(precision: str) -> bool:
+    """Whether a trial of ``precision`` runs its fp32 matmuls on TF32 tensor cores (tf32, bf16+tf32, fp16+tf32)."""
+    return precision == "tf32" or precision.endswith("+tf32")
 
 
 @functools.lru_cache(maxsize=1)
@@ -116,13 +191,13 @@ def checkpointing_field() -> str:
 def fp32_matmul_setting(precision: str) -> str:
     """``torch.set_float32_matmul_precision``'s setting for a trial of ``precision``.
 
-    TF32 ("high") for a tf32 trial only. fp32 means IEEE fp32 matmuls ("highest"). Under fp16/bf16
-    autocast the matmuls run in 16 bit; what stays in fp32 keeps PyTorch's default, "highest", as
-    in a user's run without torch.compile. The probe sets it before training (transformers and
-    accelerate turn TF32 on for torch.compile behind the label), and the exported code tells the
-    user's run to do the same.
+    TF32 ("high") for tf32, bf16+tf32 and fp16+tf32 trials (:func:`uses_tf32`). fp32 means IEEE fp32
+    matmuls ("highest"). Under fp16/bf16 autocast the matmuls run in 16 bit; what stays in fp32 keeps
+    PyTorch's default, "highest", as in a user's run without torch.compile, unless the precision asks
+    for TF32 on top. The probe sets it before training (transformers and accelerate turn TF32 on for
+    torch.compile behind the label), and the exported code tells the user's run to do the same.
     """
-    return "high" if precision == "tf32" else "highest"
+    return "high" if uses_tf32(precision) else "highest"
 
 
 def parse_compile(value: str) -> tuple[str | None, str | None]:

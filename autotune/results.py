@@ -17,7 +17,7 @@ import pandas as pd
 
 import autotune.studies as studies
 from autotune.errors import NoResult, NothingFits
-from autotune.params import PARAM_NAMES, TrialParams
+from autotune.params import KNOBS_ADDED_LATER, PARAM_NAMES, TrialParams
 from autotune.records import Probe, ProbeResult, ProbeStatus
 from autotune.search.ranking import rank_configurations
 from autotune.studies import (
@@ -82,11 +82,14 @@ def trials_frame(study: optuna.Study, memory_ceiling_bytes: int | None, *, inclu
             (the sampler proposed it again; it was not re-run).
     """
     rows: list[dict[str, Any]] = []
+    defaults = TrialParams().to_dict()
     for trial in study.get_trials(deepcopy=False):
         attrs = trial.user_attrs
         if not include_repeats and ATTR_DUPLICATE_OF in attrs:
             continue
         params = attrs.get(ATTR_PARAMS) or {}
+        if params:  # a trial from before a knob existed ran at its default
+            params = {**{name: defaults[name] for name in KNOBS_ADDED_LATER}, **params}
         result = attrs.get(ATTR_RESULT) or {}
         state = trial.state.name.lower()
         row: dict[str, Any] = {
@@ -304,7 +307,7 @@ class TuneResult:
         if baseline is None:
             return None
         ranked = self.ranked()
-        matches = ranked[(ranked[list(PARAM_NAMES)] == pd.Series({n: baseline[n] for n in PARAM_NAMES})).all(axis=1)]
+        matches = ranked[same_params(ranked, baseline)]
         return None if matches.empty else float(matches.iloc[0]["samples_per_s"])
 
     @property
@@ -428,6 +431,10 @@ def _memory_advice(result: TuneResult, package_available: Any) -> list[str]:
             advice.append("allow an 8-bit optimizer (adamw_bnb_8bit) in the space")
         else:
             advice.append("pip install bitsandbytes and allow adamw_bnb_8bit in the space")
+    dropped = " ".join(str(d) for d in (result.settings.get("space") or {}).get("dropped") or ())
+    if (device_kind == "cuda" and True not in space.get("use_liger_kernel", [False]) and "use_liger_kernel=" not in dropped
+            and package_available("liger_kernel")):
+        advice.append("allow use_liger_kernel: [true] in the space (its fused cross-entropy keeps no logits)")
     batches = [b for b in space.get("per_device_train_batch_size", []) if isinstance(b, int)]
     if batches and min(batches) > 1:
         advice.append(f"allow per_device_train_batch_size below {min(batches)}")
@@ -436,6 +443,16 @@ def _memory_advice(result: TuneResult, package_available: Any) -> list[str]:
     if total and result.memory_ceiling_bytes and result.memory_ceiling_bytes < total:
         advice.append("or raise --memory-ceiling")
     return advice
+
+
+def same_params(frame: pd.DataFrame, params: dict[str, Any], names: tuple[str, ...] = PARAM_NAMES) -> pd.Series:
+    """Rows of ``frame`` whose parameters ``names`` equal ``params``' (None equals a missing value:
+    ``torch_empty_cache_steps`` and ``dataloader_prefetch_factor`` are None at their defaults)."""
+    mask = pd.Series(True, index=frame.index)
+    for name in names:
+        want = _py(params.get(name))
+        mask &= pd.Series([_py(v) == want for v in frame[name]], index=frame.index, dtype=bool)
+    return mask
 
 
 def nothing_fits_message(result: TuneResult) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import importlib.resources
 import importlib.util
+import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,11 +23,14 @@ from autotune.params import (
     ATTN_IMPLEMENTATIONS,
     COMPILE_BACKENDS,
     COMPILE_MODES,
+    KNOBS_ADDED_LATER,
     PARAM_NAMES,
     PRECISIONS,
+    WORKER_ONLY_PARAMS,
     TrialParams,
     baseline_params,
     parse_compile,
+    uses_tf32,
 )
 from autotune.records import DeviceInfo
 
@@ -34,7 +38,7 @@ from autotune.records import DeviceInfo
 _OPTIM_PACKAGES = {
     "bnb": "bitsandbytes",
     "adamw_8bit": "bitsandbytes",
-    "ademamix": None,
+    "ademamix": "bitsandbytes",  # transformers takes every AdEMAMix from bitsandbytes
     "lion": "bitsandbytes",
     "paged_": "bitsandbytes",
     "adamw_torch_4bit": "torchao",
@@ -47,7 +51,13 @@ _OPTIM_PACKAGES = {
     "lomo": "lomo_optim",
     "stable_adamw": "optimi",
 }
-_CUDA_ONLY_OPTIM_MARKERS = ("bnb", "8bit", "paged_", "lion_", "4bit")
+_CUDA_ONLY_OPTIM_MARKERS = ("bnb", "8bit", "paged_", "lion_", "4bit", "ademamix")
+# Settings that change nothing on the CPU: transformers turns pinned memory off there, and
+# torch_empty_cache_steps empties a CUDA cache. Values other than the default are dropped there.
+_NO_EFFECT_ON_CPU = {
+    "dataloader_pin_memory": "no effect on the CPU (transformers turns pinned memory off there)",
+    "torch_empty_cache_steps": "no effect on the CPU (it empties the CUDA caching allocator)",
+}
 
 
 @dataclass(frozen=True)
@@ -73,7 +83,9 @@ class SearchSpace:
     accumulation is not a free dimension but ``N / per_device_train_batch_size``, so every point
     keeps ``batch x accumulation = N``. Everything that makes, counts or checks points goes through
     the methods below (:meth:`free_params`, :meth:`complete`, :meth:`suggest`, :meth:`optuna_params`,
-    :meth:`random_point`, :attr:`size`, :meth:`contains`), so the rule is written once.
+    :meth:`random_point`, :attr:`size`, :meth:`contains`), so the rule is written once. The other
+    collapse, worker-only DataLoader settings at their defaults without workers, is TrialParams' own
+    (:data:`autotune.params.WORKER_ONLY_PARAMS`); :attr:`size` counts such points once.
     """
 
     name: str
@@ -91,11 +103,12 @@ class SearchSpace:
 
     @property
     def size(self) -> int:
-        """How many distinct configurations the space holds."""
-        total = 1
-        for name in self.free_params:
-            total *= len(self.choices[name])
-        return total
+        """How many distinct configurations the space holds (points without dataloader workers count
+        once whatever their worker-only settings: :data:`autotune.params.WORKER_ONLY_PARAMS`)."""
+        free = self.free_params
+        others = math.prod(len(self.choices[n]) for n in free if n not in (*WORKER_ONLY_PARAMS, "dataloader_num_workers"))
+        worker_only = math.prod(len(self.choices[n]) for n in WORKER_ONLY_PARAMS if n in free)
+        return others * sum(worker_only if workers else 1 for workers in self.choices.get("dataloader_num_workers", (0,)))
 
     def accumulation_for(self, batch: int) -> int | None:
         """The accumulation a batch size implies under the fixed effective batch size (None when it is free)."""
@@ -118,12 +131,25 @@ class SearchSpace:
         return self.complete({name: trial.suggest_categorical(name, list(self.choices[name])) for name in self.free_params})
 
     def optuna_params(self, params: TrialParams) -> dict[str, Any]:
-        """The Optuna parameter dict of ``params`` (what ``enqueue_trial`` takes)."""
+        """The Optuna parameter dict of ``params`` (what ``enqueue_trial`` takes).
+
+        A worker-only setting of a point without workers is held at its default, which the space
+        may not list: it is given as the space's first value, which :meth:`suggest` maps back.
+        """
         values = params.to_dict()
-        return {name: values[name] for name in self.free_params}
+        inert = WORKER_ONLY_PARAMS if not params.dataloader_num_workers else ()
+        return {
+            name: self.choices[name][0] if name in inert and values[name] not in self.choices[name] else values[name]
+            for name in self.free_params
+        }
 
     def random_point(self, rng: random.Random) -> TrialParams:
-        return self.complete({name: rng.choice(self.choices[name]) for name in self.free_params})
+        # A knob added later with one value draws nothing: random points stay those of the space
+        # before it existed, so seeded searches (the benchmarks) repeat.
+        return self.complete({
+            name: values[0] if name in KNOBS_ADDED_LATER and len(values) == 1 else rng.choice(values)
+            for name, values in ((n, self.choices[n]) for n in self.free_params)
+        })
 
     def contains(self, params: TrialParams) -> bool:
         if self.effective_batch_size and params.effective_batch_size != self.effective_batch_size:
@@ -148,11 +174,15 @@ class SearchSpace:
         return space
 
     def to_dict(self) -> dict[str, Any]:
+        """The space as stored with a study. A later knob held at its default alone is left out, with
+        what was dropped of it (as before it existed), so a study from before it resumes under the same name."""
+        defaults = TrialParams().to_dict()
+        unseen = {k for k, v in self.choices.items() if k in KNOBS_ADDED_LATER and tuple(v) == (defaults[k],)}
         return {
             "name": self.name,
-            "choices": {k: list(v) for k, v in self.choices.items()},
+            "choices": {k: list(v) for k, v in self.choices.items() if k not in unseen},
             "effective_batch_size": self.effective_batch_size,
-            "dropped": [str(d) for d in self.dropped],
+            "dropped": [str(d) for d in self.dropped if d.param not in unseen],
         }
 
     @classmethod
@@ -164,6 +194,9 @@ class SearchSpace:
             value, _, reason = rest.partition(": ")
             dropped.append(Dropped(param, value, reason))
         choices = {k: tuple(v) for k, v in (data.get("choices") or {}).items()}
+        if choices:  # a later knob missing from a stored space was held at its default (see to_dict)
+            defaults = TrialParams().to_dict()
+            choices.update({k: (defaults[k],) for k in KNOBS_ADDED_LATER if k not in choices})
         return cls(str(data.get("name", "")), choices, data.get("effective_batch_size"), tuple(dropped))
 
     def with_values(self, param: str, values: tuple[Any, ...]) -> SearchSpace:
@@ -200,8 +233,12 @@ class SearchSpace:
         effective_batch_size: int | None = None,
         model_supports_sdpa: bool = True,
         model_supports_flash: bool = True,
+        model_type: str | None = None,
     ) -> SearchSpace:
         """Drop what this device/these packages cannot run; fix the effective batch size if asked.
+
+        Also dropped: settings that change nothing here (pinned memory and cache emptying on the
+        CPU; the default is kept), and Liger kernels for a ``model_type`` liger-kernel has none for.
 
         Raises:
             UsageError: if no allowed batch size divides ``effective_batch_size``, or a
@@ -209,14 +246,20 @@ class SearchSpace:
         """
         dropped: list[Dropped] = list(self.dropped)
         choices: dict[str, tuple[Any, ...]] = {}
+        defaults = TrialParams().to_dict()
         for name, values in self.choices.items():
             kept = []
+            default = defaults.get(name)
             for value in values:
-                reason = _unrunnable_reason(name, value, device, model_supports_sdpa, model_supports_flash)
+                reason = _unrunnable_reason(name, value, device, model_supports_sdpa, model_supports_flash, model_type)
+                if reason is None and name in _NO_EFFECT_ON_CPU and not device.is_cuda and value != default:
+                    reason = _NO_EFFECT_ON_CPU[name]
                 if reason:
                     dropped.append(Dropped(name, value, reason))
                 else:
                     kept.append(value)
+            if not kept and name in _NO_EFFECT_ON_CPU and not device.is_cuda:
+                kept.append(default)  # the same run as every dropped value here
             if not kept:
                 reasons = "; ".join(str(d) for d in dropped if d.param == name)
                 raise UsageError(f"no value of {name} can run here ({reasons}): add a runnable value to the space file")
@@ -236,12 +279,12 @@ class SearchSpace:
 
 
 def _unrunnable_reason(
-    name: str, value: Any, device: DeviceInfo, supports_sdpa: bool, supports_flash: bool
+    name: str, value: Any, device: DeviceInfo, supports_sdpa: bool, supports_flash: bool, model_type: str | None = None
 ) -> str | None:
     if name == "precision":
-        if value == "tf32" and not device.supports_tf32:
+        if uses_tf32(value) and not device.supports_tf32:
             return "TF32 needs an Ampere or newer NVIDIA GPU"
-        if value == "bf16" and not device.supports_bf16:
+        if value.startswith("bf16") and not device.supports_bf16:
             return "bf16 needs an Ampere or newer GPU"
     elif name == "optim":
         for marker, module in _OPTIM_PACKAGES.items():
@@ -266,7 +309,43 @@ def _unrunnable_reason(
         backend, mode = parse_compile(value)
         if not device.is_cuda and (backend == "cudagraphs" or mode == "reduce-overhead"):
             return "CUDA graphs need a CUDA GPU"
+    elif name == "use_liger_kernel" and value:
+        if not device.is_cuda:
+            return "Liger's Triton kernels need a CUDA GPU"
+        if not package_available("liger_kernel"):
+            return "needs the liger_kernel package (pip install liger-kernel)"
+        supported = liger_model_types()
+        if model_type is not None and supported is not None and model_type not in supported:
+            return f"liger-kernel has no kernels for model type {model_type} (it would change nothing)"
     return None
+
+
+def liger_model_types() -> frozenset[str] | None:
+    """The model types the installed liger-kernel patches (the keys of its ``MODEL_TYPE_TO_APPLY_LIGER_FN``,
+    which ``Trainer(use_liger_kernel=True)`` looks a model up in), read from its source without importing
+    it (that would import torch and Triton); None when it is not installed or the table cannot be read."""
+    import ast
+
+    try:
+        spec = importlib.util.find_spec("liger_kernel")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    source = Path(next(iter(spec.submodule_search_locations))) / "transformers" / "monkey_patch.py"
+    try:
+        tree = ast.parse(source.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, ValueError):
+        return None
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id == "MODEL_TYPE_TO_APPLY_LIGER_FN" for t in node.targets)
+            and isinstance(node.value, ast.Dict)
+            and all(isinstance(k, ast.Constant) and isinstance(k.value, str) for k in node.value.keys)
+        ):
+            return frozenset(k.value for k in node.value.keys if isinstance(k, ast.Constant))
+    return None  # not a literal table (a {**other, ...} one included): unknown, so nothing is dropped for it
 
 
 def package_available(module: str) -> bool:
@@ -358,6 +437,11 @@ def parse_space(data: Any, *, name: str = "custom", source: str = "<space>") -> 
             elif value not in checked:
                 checked.append(value)
         choices[param] = tuple(checked)
+    if not any(choices.get("dataloader_num_workers", (0,))):
+        for param in WORKER_ONLY_PARAMS:
+            if any(value != defaults[param] for value in choices.get(param, ())):
+                problems.append(f"{param}: only applies with DataLoader workers, and dataloader_num_workers lists none above 0: "
+                                "add a worker count such as 2")
     if problems:
         raise SearchSpaceError(f"{source} has {len(problems)} problem(s): " + "; ".join(problems))
     return SearchSpace(name=name, choices=choices, grow_batches_by=grow_batches_by)
@@ -388,9 +472,15 @@ def _check_value(param: str, value: Any) -> str | None:
     elif param == "dataloader_num_workers":
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             return f"{value!r} is not a non-negative integer"
-    elif param == "gradient_checkpointing":
+    elif param in ("gradient_checkpointing", "use_liger_kernel", "dataloader_pin_memory", "dataloader_persistent_workers"):
         if not isinstance(value, bool):
             return f"{value!r} is not true or false"
+    elif param == "torch_empty_cache_steps":
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+            return f"{value!r} is not null (never) or a positive step count such as 4"
+    elif param == "dataloader_prefetch_factor":
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+            return f"{value!r} is not null (torch's default, 2) or a positive number of batches per worker such as 4"
     elif param == "precision":
         if value not in PRECISIONS:
             return f"{value!r} is not one of {', '.join(PRECISIONS)}"

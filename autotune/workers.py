@@ -101,10 +101,16 @@ def options_for_worker(
     dataset = settings.get("dataset") or {}
     peft = settings.get("peft") or {}
     targets = peft.get("target_modules")
+    trainer = None
+    if settings.get("trainer"):  # the run's own factory: its model and batches, imported as the run imported it
+        from autotune.probe.user_trainer import TrainerRef
+
+        target, _, function = str(settings["trainer"]).rpartition(":")
+        trainer = TrainerRef(target=target, function=function, sys_path=probe.get("trainer_sys_path"))
     return dict(
-        model=settings["model"], budget=budget, n_trials=n_trials, space=SearchSpace.from_dict(settings["space"]),
+        model=None if trainer else settings["model"], trainer=trainer, budget=budget, n_trials=n_trials, space=SearchSpace.from_dict(settings["space"]),
         memory_ceiling=int(settings["memory_ceiling_bytes"]), effective_batch_size=settings.get("effective_batch_size"),
-        seq_len=int(settings["seq_len"]), device=device, storage=storage, study=study,
+        seq_len=None if trainer else int(settings["seq_len"]), device=device, storage=storage, study=study,
         seed=int(probe.get("seed", 0)) + seed_offset, trial_timeout=probe.get("trial_timeout_s", "15m"),
         warmup_steps=int(probe.get("warmup_steps", 3)), measure_steps=int(probe.get("measure_steps", 8)),
         dataset=dataset.get("path"), text_column=dataset.get("text_column", "text"), tokenizer=dataset.get("tokenizer"),

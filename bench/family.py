@@ -66,7 +66,7 @@ from typing import Any
 
 import numpy as np
 
-from autotune.params import PARAM_NAMES, TrialParams
+from autotune.params import KNOBS_ADDED_LATER, PARAM_NAMES, TrialParams
 from autotune.records import ProbeResult, ProbeStatus
 from autotune.search.loop import VirtualClock
 from autotune.space import SearchSpace, load_space
@@ -368,12 +368,26 @@ def outcomes(s: Shape, columns: dict[str, np.ndarray]) -> Outcomes:
     return Outcomes(status, samples_per_s, peak, probe_s, np.full(b.shape, s.startup_s), warmup_s, wait)
 
 
+# The parameters this frozen generator draws landscapes over; knobs added to TrialParams later
+# (KNOBS_ADDED_LATER) are held at their defaults, so the family's draws do not change with them.
+FAMILY_PARAMS = tuple(n for n in PARAM_NAMES if n not in KNOBS_ADDED_LATER)
+
+
+def family_space() -> SearchSpace:
+    """The built-in default space with the later knobs held at their defaults."""
+    space = load_space("default")
+    defaults = TrialParams().to_dict()
+    for knob in KNOBS_ADDED_LATER:
+        space = space.with_values(knob, (defaults[knob],))
+    return space
+
+
 class Landscape:
     """One drawn world over a search space (default: the built-in ``default`` space)."""
 
     def __init__(self, shape: Shape | int, space: SearchSpace | None = None) -> None:
         self.shape = shape if isinstance(shape, Shape) else draw_shape(shape)
-        self.space = space if space is not None else load_space("default")
+        self.space = space if space is not None else family_space()
         self._grid: Outcomes | None = None
 
     @property
@@ -401,7 +415,7 @@ class Landscape:
         return _params_at(columns, i), float(out.samples_per_s[i])
 
     def noise_free(self, params: TrialParams) -> Outcomes:
-        return self.outcomes({name: np.array([getattr(params, name)]) for name in PARAM_NAMES})
+        return self.outcomes({name: np.array([getattr(params, name)]) for name in FAMILY_PARAMS})
 
 
 @dataclass
@@ -431,7 +445,7 @@ class FamilyEvaluator:
         if status is not ProbeStatus.OK:
             where = "at start-up" if status_code == CRASH_START else "while compiling" if status_code == CRASH_COMPILE else "loss went NaN"
             return ProbeResult(status=status, error=f"landscape {status}: {where}", wall_s=probe_s, setup_s=setup_s)
-        key = params.key()
+        key = params.key()[: len(FAMILY_PARAMS)]  # the family's parameters come first in PARAM_NAMES
         repeat = self._repeats.get(key, 0)
         self._repeats[key] = repeat + 1
         rng = np.random.default_rng([FAMILY_VERSION, self.landscape.shape.draw, _key_hash(key), repeat])
@@ -492,7 +506,7 @@ def _any_pair(columns: dict[str, np.ndarray], pairs: frozenset[tuple[Value, Valu
 def _unit_hash(columns: dict[str, np.ndarray], draw: int) -> np.ndarray:
     """A number in [0, 1) per configuration, fixed for the draw (where in a probe a failure strikes)."""
     total = np.full(len(columns["precision"]), (draw * 0.6180339887) % 1.0)
-    for name in PARAM_NAMES:
+    for name in FAMILY_PARAMS:
         values, inverse = np.unique(columns[name], return_inverse=True)
         per_value = np.array([_key_hash((name, v)) % 10007 / 10007.0 for v in values.tolist()])
         total += per_value[inverse.reshape(-1)]

@@ -19,7 +19,7 @@ Phases, in order, each time-boxed (seconds of wall time in the full run, 25 minu
 =====================  ====  =========================================================================
 phase                  box   what
 =====================  ====  =========================================================================
-``tests``              120   ``pytest -m gpu``: passed / failed / skipped
+``tests``              180   ``pytest -m gpu``: passed / failed / skipped (70 s on an H100, after the probe server's start)
 ``repeatability``      100   polyglot-ko-1.3b bf16 sdpa bs 16 seq 512, 5 fresh probes: CV of samples/s
                              (target <= 2%), fixed overhead ``overhead_s`` (<= 2 s), ``model_build_s``
 ``precision_compile``  240   pythia-410m bs 8 seq 512, fp32/tf32/bf16/fp16 x compile off/inductor/
@@ -46,9 +46,10 @@ phase                  box   what
                              ``python -m bench.search TABLE:CEILING --seeds 5`` on it
 =====================  ====  =========================================================================
 
-The landscape gets what the other phases leave of the 25 minutes (about 5, at least 4). Its 128
-uncompiled probes take a few seconds each; each of the 128 compiled ones compiles (16 graphs cold,
-the rest from inductor's cache), most of 20 minutes more (estimates, not yet timed on a GPU). So a 25-minute run usually ends with the
+The landscape gets what the other phases leave of the 25 minutes (about 4, at least 4). Its 128
+uncompiled probes take a few seconds each (4-7 s for pythia-410m on an H100, 2026-11-22); each of the
+128 compiled ones compiles (16 graphs cold, the rest from inductor's cache; one cold inductor compile
+of pythia-410m took ~60 s on that H100), most of 20 minutes more. So a 25-minute run usually ends with the
 uncompiled half probed, written as a replay table of its own (a full factorial with
 ``torch_compile`` = off, replayable like any other), and the phase marked ``timeout``. ``--phase
 landscape --out DIR`` (a 9-minute box when run alone) goes on from the rows already probed

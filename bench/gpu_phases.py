@@ -100,7 +100,7 @@ FULL = Plan(
     quick=False,
     total_s=25 * 60,
     boxes_s={
-        "tests": 120, "repeatability": 100, "precision_compile": 240, "ceiling": 75, "run": 320, "side_by_side": 330,
+        "tests": 180, "repeatability": 100, "precision_compile": 240, "ceiling": 75, "run": 320, "side_by_side": 330,
         "landscape": 540,  # alone (--phase landscape): under 10 minutes a call, it goes on from the rows already probed
     },
     landscape_floor_s=240,
@@ -891,7 +891,9 @@ def landscape_grid(grid: dict[str, tuple[Any, ...]]) -> list[TrialParams]:
     """Every combination of the grid's values (a replay table must hold them all), cheapest first:
     uncompiled configurations, then compiled ones grouped by compiled graph so each compiles cold once
     and the rest of its group hits inductor's cache."""
-    configs = [TrialParams(**dict(zip(PARAM_NAMES, combo))) for combo in itertools.product(*(grid[n] for n in PARAM_NAMES))]
+    defaults = TrialParams().to_dict()  # a knob the grid does not name is held at its default
+    configs = [TrialParams(**dict(zip(PARAM_NAMES, combo)))
+               for combo in itertools.product(*(grid.get(n, (defaults[n],)) for n in PARAM_NAMES))]
 
     def key(p: TrialParams) -> tuple[Any, ...]:
         graph = (p.per_device_train_batch_size, p.precision, p.attn_implementation, p.gradient_checkpointing)

@@ -213,3 +213,20 @@ def test_the_recorded_command_hides_a_storage_password() -> None:
     command = recorded_command(["run", "--storage", "postgresql://tuner:s3cret@db/autotune", "--budget", "30m"])
     assert "s3cret" not in command and "tuner" in command and "--budget 30m" in command
     assert "s3cret" not in recorded_command(["run", "--storage=postgresql://tuner:s3cret@db/autotune"])
+
+
+def test_spaces_lists_every_knob_with_its_values(capsys) -> None:
+    import re
+
+    from autotune.params import PARAM_NAMES
+
+    assert main(["spaces"]) == 0
+    out = capsys.readouterr().out
+    default = out.split("\nquick")[0]
+    assert default.startswith("default    175,104 configurations")
+    for name in PARAM_NAMES:
+        assert re.search(rf"^  {name} ", default, re.M), name
+    assert re.search(r"^  precision +fp32, tf32, fp16, bf16$", default, re.M)
+    assert re.search(r"^  use_liger_kernel +false, true$", default, re.M)
+    assert re.search(r"^  torch_empty_cache_steps +null  \(fixed\)$", default, re.M)
+    assert re.search(r"^  dataloader_pin_memory +true  \(fixed\)$", default, re.M)

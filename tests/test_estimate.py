@@ -49,3 +49,20 @@ def test_bench_search_last_line_is_a_json_summary(capsys) -> None:
         for key in ("median_ratio", "worst_ratio", "median_time_fraction", "oom_probes_total", "returned_over_ceiling"):
             assert key in figures
         assert figures["returned_over_ceiling"] == 0
+
+
+def test_estimate_with_liger_kernels_drops_the_logits(capsys) -> None:
+    # llama-3.2-1b: a 128k vocabulary, whose logits Liger's fused cross-entropy never builds.
+    argv = ["estimate", "--model", "llama-3.2-1b", "--seq-len", "1024", "--device-memory", "80GiB", "--space", "quick", "--json"]
+    assert main(argv) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--liger-kernel"]) == 0
+    liger = json.loads(capsys.readouterr().out)
+    assert liger["use_liger_kernel"] is True and plain["use_liger_kernel"] is False
+    for a, b in zip(plain["rows"], liger["rows"]):
+        assert b["static_bytes"] == a["static_bytes"]
+        vocab, hidden = 128_256, 2048
+        width = 2 if a["precision"] == "bf16" else 4
+        assert a["activation_bytes_per_sample"] - b["activation_bytes_per_sample"] == 1024 * (vocab * (width + 8) - hidden * width)
+    assert main([*argv[:-1], "--liger-kernel"]) == 0
+    assert "Liger kernels" in capsys.readouterr().out.splitlines()[0]

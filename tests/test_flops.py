@@ -52,3 +52,14 @@ def test_every_row_has_the_precisions_it_supports() -> None:
     for key, peaks in PEAK_TFLOPS:
         assert {"fp32", "tf32", "fp16"} <= set(peaks), key
         assert all(value > 0 for value in peaks.values())
+
+
+@pytest.mark.parametrize("precision, column", [("bf16+tf32", "bf16"), ("fp16+tf32", "fp16")])
+def test_tf32_under_mixed_precision_takes_the_16_bit_peak(precision: str, column: str) -> None:
+    from autotune.probe.flops import peak_precision
+
+    # The fp32 setting in force is TF32 ("tf32"), yet autocast runs the matmuls in 16 bit: the 16-bit peak bounds it.
+    assert peak_precision(precision, "tf32") == column
+    flops_per_token, tokens_per_s = 6e9, 50_000.0
+    assert mfu(flops_per_token, tokens_per_s, "NVIDIA H100 80GB HBM3", precision, "tf32") == pytest.approx(
+        achieved_tflops(flops_per_token, tokens_per_s) / 989.5)

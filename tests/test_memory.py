@@ -116,3 +116,38 @@ def test_static_part_matches_accelerate_estimate_memory() -> None:
     accelerate_training = max(estimate_training_usage(total_bytes, "float32").values())
     ours = static_memory(ModelDims.from_spec(spec), "fp32", "adamw_torch")
     assert ours.weights_bytes + ours.gradients_bytes + ours.optimizer_bytes == pytest.approx(accelerate_training, rel=0.01)
+
+
+def test_8_bit_and_paged_optimizer_states() -> None:
+    # Paged states live in unified memory and page to the host only under pressure: modelled as their state on the device.
+    bytes_per_param = {optim: static_memory(DIMS, "fp32", optim).optimizer_bytes / 1_000_000 for optim in (
+        "adamw_8bit", "adamw_bnb_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "lion_8bit", "paged_lion_8bit", "paged_lion_32bit",
+        "ademamix_8bit", "paged_ademamix_32bit", "rmsprop_bnb_8bit", "adamw_torch_4bit")}
+    assert bytes_per_param == {"adamw_8bit": 2, "adamw_bnb_8bit": 2, "paged_adamw_8bit": 2, "paged_adamw_32bit": 8, "lion_8bit": 1,
+                               "paged_lion_8bit": 1, "paged_lion_32bit": 4, "ademamix_8bit": 3, "paged_ademamix_32bit": 12,
+                               "rmsprop_bnb_8bit": 1, "adamw_torch_4bit": 1}
+
+
+def test_tf32_under_mixed_precision_stores_as_its_16_bit_base() -> None:
+    for precision, base in (("bf16+tf32", "bf16"), ("fp16+tf32", "fp16")):
+        assert static_memory(DIMS, precision, "adamw_torch") == static_memory(DIMS, base, "adamw_torch")
+        assert activation_bytes_per_sample(DIMS, TrialParams(precision=precision), 64) == activation_bytes_per_sample(
+            DIMS, TrialParams(precision=base), 64)
+
+
+def test_liger_kernels_keep_no_logits() -> None:
+    seq = 64
+    # Fused linear cross-entropy: the logits (64 x 1000 x 10 B in bf16) give way to the hidden state's gradient (64 x 128 x 2 B).
+    liger = TrialParams(precision="bf16", use_liger_kernel=True)
+    assert activation_bytes_per_sample(DIMS, liger, seq) == 2 * 64 * 128 * 34 + 64 * 128 * 2
+    model = MemoryModel(DIMS, seq)
+    model.observe(TrialParams(per_device_train_batch_size=8, precision="bf16"), _ok(1 * GiB))
+    # Another memory group: the measurement of the group without Liger is not its own.
+    assert model.predict(liger.replace(per_device_train_batch_size=8)) != 1 * GiB
+
+
+def test_cache_emptying_and_dataloader_settings_do_not_move_modelled_memory() -> None:
+    base = TrialParams(precision="bf16", dataloader_num_workers=2)
+    for other in (base.replace(torch_empty_cache_steps=4), base.replace(dataloader_pin_memory=False),
+                  base.replace(dataloader_prefetch_factor=4, dataloader_persistent_workers=True)):
+        assert predict_peak_bytes(DIMS, other, 64) == predict_peak_bytes(DIMS, base, 64)

@@ -114,6 +114,22 @@ def test_fp32_probe_trains_with_ieee_fp32_matmuls() -> None:
     assert result.matmul_precision == "ieee"
 
 
+def test_a_probe_runs_the_loader_and_cache_settings_it_is_given() -> None:
+    # The knobs reach the Trainer the probe trains with, read back from its TrainingArguments; on the
+    # CPU transformers turns pinned memory off itself, so pin_memory=False is what it had either way.
+    params = TrialParams(per_device_train_batch_size=4, attn_implementation="sdpa", torch_empty_cache_steps=2, dataloader_num_workers=2,
+                         dataloader_prefetch_factor=4, dataloader_persistent_workers=True, dataloader_pin_memory=False)
+    result = isolation.run_isolated(_spec(params=params), timeout_s=120)
+    assert result.status == "ok", result.error
+    applied = result.extra["training_arguments"]
+    assert {k: applied[k] for k in ("torch_empty_cache_steps", "dataloader_num_workers", "dataloader_prefetch_factor",
+                                    "dataloader_persistent_workers", "dataloader_pin_memory")} == {
+        "torch_empty_cache_steps": 2, "dataloader_num_workers": 2, "dataloader_prefetch_factor": 4,
+        "dataloader_persistent_workers": True, "dataloader_pin_memory": False}
+    assert applied == params.training_arguments_kwargs()
+    assert params.short().endswith("w2 prefetch4 persistent no-pin empty-cache/2")
+
+
 def test_nan_loss_is_diverged(tmp_path) -> None:
     # Weights initialised at 1e30 overflow to inf in the first forward: a genuinely diverged model.
     config = dict(resolve_model("tiny-gptneox").config, initializer_range=1e30)

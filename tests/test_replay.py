@@ -140,3 +140,60 @@ def test_a_replayed_near_tie_is_probed_again_and_charged_again(tmp_path) -> None
     assert outcome.virtual_s == pytest.approx(frame["probe_s"].sum() + again_s)
     # A table is deterministic: the re-measure returns the same row, so the mean is the row's value.
     assert outcome.best_samples_per_s == 100.0
+
+
+# ---------------------------------------------------------------------------------------- the knobs added later
+
+
+def test_a_shipped_table_without_the_later_columns_reads_them_at_their_defaults() -> None:
+    from autotune.params import KNOBS_ADDED_LATER
+
+    table = load_table(DATA / "landscape_pythia-160m-l4.csv.gz")
+    assert not set(KNOBS_ADDED_LATER) & set(pd.read_csv(DATA / "landscape_pythia-160m-l4.csv.gz", nrows=1).columns)
+    space = table.space()
+    defaults = TrialParams()
+    for name in KNOBS_ADDED_LATER:
+        assert space.choices[name] == (getattr(defaults, name),), name
+    row = table.frame[table.frame["status"] == "ok"].iloc[0]
+    params = TrialParams.from_dict({k: (v.item() if hasattr(v, "item") else v) for k, v in row.items()})
+    assert params.use_liger_kernel is False and params.torch_empty_cache_steps is None and params.dataloader_pin_memory is True
+    assert table.row(params) is not None
+    assert ReplayEvaluator(table).evaluate(params, timeout_s=10_000).samples_per_s == row["samples_per_s"]
+
+
+def test_a_table_with_the_later_columns(tmp_path) -> None:
+    frame = pd.read_csv(TINY)
+    liger = frame.assign(use_liger_kernel=True, samples_per_s=frame["samples_per_s"] * 1.2)
+    frame = pd.concat([frame.assign(use_liger_kernel=False), liger], ignore_index=True)
+    frame["torch_empty_cache_steps"] = ""  # empty: None, never
+    frame.loc[frame.index[-1], "torch_empty_cache_steps"] = "4"
+    frame["dataloader_prefetch_factor"] = "none"
+    table = load_table(_write(tmp_path, frame))
+    space = table.space()
+    assert space.choices["use_liger_kernel"] == (False, True)
+    assert space.choices["torch_empty_cache_steps"] == (None, 4) and space.choices["dataloader_prefetch_factor"] == (None,)
+    last = frame.iloc[-1]
+    params = TrialParams.from_dict({k: (v.item() if hasattr(v, "item") else v) for k, v in last.items()
+                                    if k not in ("torch_empty_cache_steps", "dataloader_prefetch_factor")})
+    assert table.row(params.replace(torch_empty_cache_steps=4)) is not None
+    outcome = replay_search(table, budget_s=24 * 3600, memory_ceiling_bytes=40 * GiB, space=parse_space(
+        {"per_device_train_batch_size": [8, 16], "use_liger_kernel": [False, True], "precision": sorted(set(frame["precision"]))}),
+        strategy="random", seed=0)
+    assert outcome.best_params is not None and outcome.best_params["use_liger_kernel"] is True
+
+
+def test_bad_later_column_values_name_line_and_column(tmp_path) -> None:
+    frame = pd.read_csv(TINY).assign(use_liger_kernel="maybe")
+    assert "line 2, column use_liger_kernel: 'maybe' is not true or false" in _error(_write(tmp_path, frame))
+    frame = pd.read_csv(TINY).assign(torch_empty_cache_steps="0")
+    assert "line 2, column torch_empty_cache_steps: '0' is not empty (none) or a positive integer" in _error(_write(tmp_path, frame))
+
+
+def test_worker_only_columns_without_workers_read_as_their_defaults(tmp_path) -> None:
+    frame = pd.read_csv(TINY)
+    table = load_table(_write(tmp_path, frame.assign(dataloader_prefetch_factor=4)))
+    prefetch = dict(zip(table.frame["dataloader_num_workers"], table.frame["dataloader_prefetch_factor"]))
+    assert prefetch == {0: None, 4: 4}  # without workers: the same trainings as in a table without the column
+    no_workers = frame.index[frame["dataloader_num_workers"] == 0][0]
+    both = pd.concat([frame.assign(dataloader_prefetch_factor=4), frame.iloc[[no_workers]]], ignore_index=True)
+    assert "are the same configuration" in _error(_write(tmp_path, both))

@@ -428,3 +428,93 @@ def test_one_set_of_numbers_in_the_terminal_the_report_the_charts_and_export(sto
     assert "100.0 samples/s" in capsys.readouterr().out
     assert main(["list", "--storage", storage]) == 0
     assert "100.0" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------- the knobs added later
+
+
+class _LigerFake:
+    """The fake GPU where Liger kernels make a probe 1.5x faster and emptying the cache 10% slower."""
+
+    def __init__(self) -> None:
+        from tests.conftest import FakeEvaluator
+
+        self.fake = FakeEvaluator()
+        self.clock = self.fake.clock
+
+    def evaluate(self, params, *, timeout_s: float):
+        result = self.fake.evaluate(params, timeout_s=timeout_s)
+        if result.ok:
+            factor = (1.5 if params.use_liger_kernel else 1.0) * (0.9 if params.torch_empty_cache_steps else 1.0)
+            result = result.replace(samples_per_s=result.samples_per_s * factor)
+        return result
+
+
+def _liger_study(storage: str) -> TuneResult:
+    import optuna
+
+    from autotune.params import TrialParams, baseline_params
+    from autotune.search.loop import SearchSettings, run_search
+    from autotune.space import parse_space
+    from autotune.studies import ATTR_ROLE, ROLE_BASELINE, STUDY_ATTR
+    from tests.report_studies import CEILING, settings
+
+    space_dict = {"per_device_train_batch_size": [8, 16], "use_liger_kernel": [False, True], "torch_empty_cache_steps": [None, 4]}
+    space = parse_space(space_dict)
+    study = optuna.create_study(study_name="liger", storage=storage, direction="maximize")
+    study.set_user_attr(STUDY_ATTR, {**settings({"per_device_train_batch_size": [8, 16]}), "space": space.to_dict()})
+    study.enqueue_trial(space.optuna_params(baseline_params()), user_attrs={ATTR_ROLE: ROLE_BASELINE})
+    fake = _LigerFake()
+    run_search(study, space, fake, SearchSettings(memory_ceiling_bytes=CEILING, n_trials=8), baseline=baseline_params(), clock=fake.clock)
+    result = load_result("liger", storage)
+    assert len(result.trials) == 8 and TrialParams.from_dict(result.best_params).use_liger_kernel
+    return result
+
+
+def test_later_knobs_show_in_the_report_the_terminal_and_best_json(storage, tmp_path) -> None:
+    from rich.console import Console
+
+    from autotune.console import print_summary
+
+    result = _liger_study(storage)
+    best = result.best_params
+    assert best["use_liger_kernel"] is True and best["torch_empty_cache_steps"] is None and best["per_device_train_batch_size"] == 16
+    assert result.speedup == pytest.approx(1.5 * (100 * 16 / 24) / (100 * 8 / 16))  # the baseline is found (None == None)
+    written = json.loads(result.write_best_json(tmp_path / "best.json").read_text())
+    assert written["use_liger_kernel"] is True and "torch_empty_cache_steps" not in written  # at its default
+    model = build_report_model(result)
+    keys = [c.key for c in model.columns]
+    assert "use_liger_kernel" in keys and "torch_empty_cache_steps" in keys
+    assert "dataloader_pin_memory" not in keys and "dataloader_prefetch_factor" not in keys  # at their defaults everywhere
+    assert set(_column(model, "use_liger_kernel")) == {"yes", "no"} and set(_column(model, "torch_empty_cache_steps")) == {"4", "-"}
+    assert "use_liger_kernel=True" in model.training_arguments_code
+    console = Console(width=250, record=True)
+    print_summary(console, result)
+    terminal = console.export_text()
+    assert "other" in terminal and "empty-cache/4 liger" in terminal and "Best: bs16x1 fp32 adamw_torch_fused sdpa liger" in terminal
+
+
+def test_a_study_from_before_the_later_knobs_reads_them_at_their_defaults(result, storage) -> None:
+    import optuna
+
+    from autotune.params import KNOBS_ADDED_LATER, TrialParams
+    from autotune.studies import ATTR_PARAMS, STUDY_ATTR
+
+    source = optuna.load_study(study_name=result.study_name, storage=result.storage)
+    old = optuna.create_study(study_name="old", storage=storage, direction="maximize")
+    old.set_user_attr(STUDY_ATTR, source.user_attrs[STUDY_ATTR])
+    for trial in source.get_trials():  # as the code before the knobs stored them: no such key anywhere
+        attrs = dict(trial.user_attrs)
+        if ATTR_PARAMS in attrs:
+            attrs[ATTR_PARAMS] = {k: v for k, v in attrs[ATTR_PARAMS].items() if k not in KNOBS_ADDED_LATER}
+        old.add_trial(optuna.trial.create_trial(
+            state=trial.state, value=trial.value, user_attrs=attrs, system_attrs=trial.system_attrs,
+            params={k: v for k, v in trial.params.items() if k not in KNOBS_ADDED_LATER},
+            distributions={k: v for k, v in trial.distributions.items() if k not in KNOBS_ADDED_LATER},
+        ))
+    again = load_result("old", storage)
+    assert again.best_params == result.best_params and again.best_kwargs() == result.best_kwargs()
+    assert again.speedup == pytest.approx(result.speedup)
+    for name in KNOBS_ADDED_LATER:
+        assert set(map(str, again.trials[name])) == {str(getattr(TrialParams(), name))}
+    assert [c.key for c in build_report_model(again).columns] == [c.key for c in build_report_model(result).columns]

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autotune.params import fp32_matmul_setting
+from autotune.params import fp32_matmul_setting, mixed_precision_dtype
 from autotune.probe.flops import achieved_tflops, mfu, model_flops_per_token
 from autotune.probe.steady import StopRule, ci95_rel
 from autotune.records import ProbeResult, ProbeSpec, ProbeStatus
@@ -58,7 +58,6 @@ TELEMETRY_MAX_STEPS = 2000
 # The sampler's window opens just after the last warm-up step and closes just after the last measured
 # step (NvmlSampler samples every 50 ms): measure this much longer than the minimum window.
 TELEMETRY_WINDOW_MARGIN_S = 0.25
-_AMP_PRECISIONS = ("fp16", "bf16")
 
 
 class SimulatedOutOfMemory(MemoryError):
@@ -247,8 +246,9 @@ def _init_cuda(spec: ProbeSpec) -> CudaBaseline:
     used_before = nvml_used_bytes()  # before this process has a context
     x = torch.ones(64, 64, device="cuda")
     torch.nn.functional.linear(x, x, x[0])  # cuBLAS(Lt) handle and workspace
-    if spec.params.precision in _AMP_PRECISIONS:
-        y = x.to(torch.bfloat16 if spec.params.precision == "bf16" else torch.float16)
+    amp = mixed_precision_dtype(spec.params.precision)  # bf16+tf32 autocasts to bf16 too
+    if amp is not None:
+        y = x.to(torch.bfloat16 if amp == "bf16" else torch.float16)
         torch.nn.functional.linear(y, y, y[0])
     torch.cuda.synchronize()
     baseline = non_allocator_bytes(used_before, nvml_used_bytes(), int(torch.cuda.memory_reserved()))
@@ -279,6 +279,10 @@ def _make_callback(spec: ProbeSpec, cuda: bool) -> Any:
             self.train_begin_s: float | None = None
             self.step_end_s: list[float] = []
             self.fetch_s: list[float] = []  # per optimizer step: host time blocked fetching its batches
+            # A user's Trainer (--trainer): per optimizer step, its real batches' sequences and non-padding
+            # tokens (a tensor on the device, read once at the end: no host sync per step). None: not counted.
+            self.batches: list[tuple[Any, Any]] | None = [] if spec.trainer is not None else None
+            self.pad_id: int | None = None
             self.losses: list[float] = []
             self.diverged = False
             self.diverged_at_step: int | None = None
@@ -309,6 +313,24 @@ def _make_callback(spec: ProbeSpec, cuda: bool) -> Any:
         def measured_fetch_s(self) -> float:
             """Host time blocked fetching batches during the measured steps."""
             return sum(self.fetch_s[spec.warmup_steps : len(self.step_end_s)])
+
+        def count_batches(self, batch_samples: Any, trainer: Any) -> None:
+            """Record one optimizer step's sequences and non-padding tokens (a user's Trainer only)."""
+            if self.batches is None:
+                return
+            from autotune.probe.user_trainer import batch_sequences, batch_tokens, pad_token_id
+
+            if not self.batches:
+                self.pad_id = pad_token_id(trainer)
+            batches = list(batch_samples) if isinstance(batch_samples, (list, tuple)) else []
+            self.batches.append((sum(batch_sequences(b) for b in batches), sum(batch_tokens(b, self.pad_id) for b in batches)))
+
+        def measured_batches(self) -> tuple[int, int] | None:
+            """Sequences and non-padding tokens of the measured steps' batches (None: not counted)."""
+            if self.batches is None:
+                return None
+            measured = self.batches[spec.warmup_steps : len(self.step_end_s)]
+            return sum(int(n) for n, _ in measured), sum(int(t) for _, t in measured)
 
         def count_non_finite(self, loss: Any) -> None:
             """Count a micro-batch's non-finite loss on its device, without a host sync (read once
@@ -411,18 +433,25 @@ def _matmul_params(model: Any, *, trainable_only: bool = False) -> int:
     return sum(params.values()) - sum(n for key, n in embeddings.items() if key in params)
 
 
-def _timed_trainer(callback: Any) -> Any:
+def _timed_trainer(callback: Any, base: Any = None) -> Any:
     """A Trainer that records how long the training loop blocks on ``next()`` for each step's batches,
-    and counts non-finite micro-batch losses on the device (divergence, without a host sync)."""
+    and counts non-finite micro-batch losses on the device (divergence, without a host sync).
+
+    ``base``: the class to derive from, default ``transformers.Trainer``; a user's Trainer (``--trainer``)
+    gets a subclass of its own class, swapped in at run time (:func:`run_probe`), which also counts each
+    step's real sequences and non-padding tokens (``ProbeCallback.count_batches``).
+    """
     from transformers import Trainer
 
-    class TimedTrainer(Trainer):
+    class TimedTrainer(base or Trainer):  # type: ignore[misc]
         def get_batch_samples(self, epoch_iterator, num_batches, device):
             start_s = time.perf_counter()
             try:
-                return super().get_batch_samples(epoch_iterator, num_batches, device)
+                fetched = super().get_batch_samples(epoch_iterator, num_batches, device)
             finally:
                 callback.fetch_s.append(time.perf_counter() - start_s)
+            callback.count_batches(fetched[0] if isinstance(fetched, tuple) else fetched, self)
+            return fetched
 
         def training_step(self, *args, **kwargs):
             loss = super().training_step(*args, **kwargs)
@@ -457,6 +486,17 @@ def probe_training_arguments(spec: ProbeSpec, output_dir: str, max_steps: int, c
     )
 
 
+def applied_arguments(args: Any, params: Any) -> dict[str, Any]:
+    """The trial's TrainingArguments fields as the Trainer holds them (JSON values), read back after it
+    was built: what the probe ran with, e.g. ``dataloader_pin_memory`` False on the CPU, where
+    transformers turns it off, or a field a user's Trainer factory changed."""
+    applied = {}
+    for name in params.training_arguments_kwargs():
+        value = getattr(args, name, None)
+        applied[name] = value if value is None or isinstance(value, (bool, int, float, str)) else str(value)
+    return applied
+
+
 def _make_dataset(spec: ProbeSpec, vocab_size: int, length: int) -> Any:
     if spec.dataset is None:
         return SyntheticTokens(
@@ -477,13 +517,13 @@ def run_probe(spec: ProbeSpec) -> ProbeResult:
     baseline: CudaBaseline | None = None
     matmul_precision: str | None = None
     counts = None
+    user = None  # a user's Trainer (spec.trainer): autotune.probe.user_trainer.ProbedTrainer
     try:
         import torch
-        from transformers import PrinterCallback
+        from transformers import PrinterCallback, ProgressCallback
         from transformers.utils import logging as hf_logging
 
-        from autotune.lora import LoraSettings, count_model_parameters
-        from autotune.models import ModelSpec, build_model
+        from autotune.models import ModelSpec
 
         hf_logging.set_verbosity_error()
         cuda = spec.device.startswith("cuda")
@@ -492,36 +532,33 @@ def run_probe(spec: ProbeSpec) -> ProbeResult:
             device_name = torch.cuda.get_device_name(0)
         params = spec.params
         torch.manual_seed(spec.seed)
-        model_spec = ModelSpec.from_dict(spec.model)
-        lora = LoraSettings.from_dict(spec.peft) if spec.peft else None
-        build_start_s = time.perf_counter()
-        if lora is not None and lora.quantized:
-            model = _build_4bit_model(model_spec, params, spec)
-        else:
-            model = build_model(model_spec, attn_implementation=params.attn_implementation, device="cuda" if cuda else "cpu")
-        if lora is not None:
-            model = _wrap_in_adapters(model, lora, params.gradient_checkpointing)
-        counts = count_model_parameters(model)
-        if cuda:
-            torch.cuda.synchronize()
-        model_build_s = time.perf_counter() - build_start_s
-        head_dim = int(model_spec.config.get("head_dim") or model_spec.hidden_size // model_spec.num_attention_heads)
-        matmul_params = _matmul_params(model)
-        # Frozen weights skip their weight-gradient matmul in backward: 2 of the 6 FLOPs per parameter and token.
-        flops_per_token = model_flops_per_token(
-            matmul_params, model_spec.num_layers, model_spec.num_attention_heads, head_dim, spec.seq_len
-        ) - 2.0 * (matmul_params - _matmul_params(model, trainable_only=True))
+        if spec.trainer is None:
+            model, counts, model_build_s, flops_per_token = _build_model(spec, cuda)
         callback = _make_callback(spec, cuda)
         total_steps = spec.warmup_steps + callback.step_budget
-        dataset = _make_dataset(spec, model_spec.vocab_size, total_steps * params.effective_batch_size)
         scratch = os.environ.get("AUTOTUNE_PROBE_SCRATCH")  # the parent's per-probe folder (isolation.SCRATCH_ENV)
         with tempfile.TemporaryDirectory(prefix="autotune-probe-out-", dir=scratch if scratch and os.path.isdir(scratch) else None) as output_dir:
             args = probe_training_arguments(spec, output_dir, total_steps, cuda)
-            trainer = _timed_trainer(callback)(model=model, args=args, train_dataset=dataset, callbacks=[callback])
+            if spec.trainer is not None:  # the user's own model, data and Trainer, from their factory
+                from autotune.probe.user_trainer import build_trainer
+
+                user = build_trainer(spec, args, cuda)
+                trainer, counts, model_build_s = user.trainer, user.counts, user.build_s
+                trainer.__class__ = _timed_trainer(callback, type(trainer))  # timed as a built-in model's Trainer is
+                trainer.add_callback(callback)
+                trainer.remove_callback(ProgressCallback)
+            else:
+                dataset = _make_dataset(spec, ModelSpec.from_dict(spec.model).vocab_size, total_steps * params.effective_batch_size)
+                trainer = _timed_trainer(callback)(model=model, args=args, train_dataset=dataset, callbacks=[callback])
             trainer.remove_callback(PrinterCallback)  # no printing per step inside the measured window
             # After the Trainer is built (TrainingArguments and accelerate have set TF32 their way), before it trains.
             matmul_precision = apply_matmul_precision(params.precision, cuda)
+            applied = applied_arguments(trainer.args, params)
             trainer.train()
+        if user is not None:  # FLOPs of the real model at the mean real sequence length of the measured batches
+            counted = callback.measured_batches()
+            flops_per_token = user.flops_per_token(_matmul_params(trainer.model), _matmul_params(trainer.model, trainable_only=True),
+                                                   counted[1] / counted[0] if counted and counted[0] else None)
     except BaseException as exc:
         from autotune.probe.device import is_out_of_memory
 
@@ -545,7 +582,41 @@ def run_probe(spec: ProbeSpec) -> ProbeResult:
             **_memory_fields(spec, callback, baseline),
         )
     result = _summarise(spec, callback, start_s, device_name, model_build_s, flops_per_token, baseline, matmul_precision)
+    result = result.replace(extra={**result.extra, "training_arguments": applied})
+    if user is not None:
+        result = result.replace(extra={**result.extra, **user.extra()})
     return result.replace(**_parameter_fields(counts))
+
+
+def _build_model(spec: ProbeSpec, cuda: bool) -> tuple[Any, Any, float, float]:
+    """The built-in path's model, from its config on the device (in LoRA adapters with ``spec.peft``):
+    (model, its parameter counts, seconds to build it, model FLOPs per token)."""
+    import torch
+
+    from autotune.lora import LoraSettings, count_model_parameters
+    from autotune.models import ModelSpec, build_model
+
+    params = spec.params
+    model_spec = ModelSpec.from_dict(spec.model)
+    lora = LoraSettings.from_dict(spec.peft) if spec.peft else None
+    build_start_s = time.perf_counter()
+    if lora is not None and lora.quantized:
+        model = _build_4bit_model(model_spec, params, spec)
+    else:
+        model = build_model(model_spec, attn_implementation=params.attn_implementation, device="cuda" if cuda else "cpu")
+    if lora is not None:
+        model = _wrap_in_adapters(model, lora, params.gradient_checkpointing)
+    counts = count_model_parameters(model)
+    if cuda:
+        torch.cuda.synchronize()
+    model_build_s = time.perf_counter() - build_start_s
+    head_dim = int(model_spec.config.get("head_dim") or model_spec.hidden_size // model_spec.num_attention_heads)
+    matmul_params = _matmul_params(model)
+    # Frozen weights skip their weight-gradient matmul in backward: 2 of the 6 FLOPs per parameter and token.
+    flops_per_token = model_flops_per_token(
+        matmul_params, model_spec.num_layers, model_spec.num_attention_heads, head_dim, spec.seq_len
+    ) - 2.0 * (matmul_params - _matmul_params(model, trainable_only=True))
+    return model, counts, model_build_s, flops_per_token
 
 
 def _parameter_fields(counts: Any) -> dict[str, int | None]:
@@ -585,7 +656,7 @@ def _build_4bit_model(model_spec: Any, params: Any, spec: ProbeSpec) -> Any:
 
     from autotune.models import build_model
 
-    compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(params.precision, torch.float32)
+    compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision_dtype(params.precision) or "", torch.float32)
     scratch = os.environ.get("AUTOTUNE_PROBE_SCRATCH")
     with tempfile.TemporaryDirectory(prefix="autotune-qlora-base-", dir=scratch if scratch and os.path.isdir(scratch) else None) as folder:
         build_model(model_spec, attn_implementation=params.attn_implementation, device="cpu", dtype=torch.bfloat16).save_pretrained(folder)
@@ -653,6 +724,10 @@ def _summarise(
     samples_per_step = spec.params.effective_batch_size
     samples_per_s = samples_per_step / step_time_s
     tokens_per_s = samples_per_s * spec.seq_len
+    counted = callback.measured_batches()
+    if counted is not None and counted[0] > 0:  # a user's Trainer: its real batches, padding not counted as tokens
+        samples_per_step = round(counted[0] / len(step_times))
+        samples_per_s, tokens_per_s = counted[0] / window_s, counted[1] / window_s
     wait_fraction = min(callback.measured_fetch_s() / window_s, 1.0) if window_s > 0 else None
     telemetry = telemetry_fields(callback.telemetry, samples_per_step * len(step_times), min_telemetry_window_s())
     return ProbeResult(

@@ -41,6 +41,8 @@ class ProbeEvaluator:
     # with the trial number, so a result finished after this process was killed is recorded later.
     owner_note: dict[str, Any] | None = None
     peft: dict[str, Any] | None = None  # autotune.lora.LoraSettings.to_dict(): train LoRA adapters; None: every weight
+    trainer: str | None = None  # the user's Trainer factory (ProbeSpec.trainer); None: the built-in model and data
+    trainer_sys_path: str | None = None  # ProbeSpec.trainer_sys_path
     _trial_number: int | None = field(default=None, init=False, repr=False)
 
     def spec_for(self, params: TrialParams) -> ProbeSpec:
@@ -58,6 +60,8 @@ class ProbeEvaluator:
             seed=self.seed,
             dataset=self.dataset,
             peft=self.peft,
+            trainer=self.trainer,
+            trainer_sys_path=self.trainer_sys_path,
         )
 
     def prepare(self) -> None:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from autotune.params import mixed_precision_dtype
+
 # Dense (no 2:4 sparsity) peak TFLOP/s by precision. "fp32" is the non-tensor-core FP32 rate
 # (PyTorch's default for fp32 matmuls); "tf32" is TF32 tensor cores; "fp16"/"bf16" are tensor
 # cores with fp32 accumulation, what autocast mixed precision uses. Datasheets quote the sparse
@@ -84,7 +86,6 @@ def peak_tflops(device_name: str | None, precision: str) -> float | None:
 _FP32_MATMUL_COLUMN = {
     "ieee": "fp32", "highest": "fp32", "tf32": "tf32", "high": "tf32", "medium": "tf32", "bf16": "bf16",
 }
-_AMP_PRECISIONS = ("fp16", "bf16")
 
 
 def peak_precision(precision: str, matmul_precision: str | None) -> str:
@@ -92,13 +93,15 @@ def peak_precision(precision: str, matmul_precision: str | None) -> str:
     ``matmul_precision`` (what torch had in force, e.g. ``"ieee"`` or ``"tf32"``).
 
     Under fp16/bf16 autocast the matmuls run in 16 bit whatever the fp32 setting, so the trial's own
-    precision decides. For fp32 and tf32 trials the precision in force decides, not the label: a
+    16-bit dtype decides (bf16+tf32 is bounded by the bf16 peak: TF32 only touches the few matmuls
+    autocast keeps in fp32). For fp32 and tf32 trials the precision in force decides, not the label: a
     library that turns TF32 on behind the label (transformers does for ``torch_compile``) must not
     give an "fp32" trial an MFU against the FP32 peak, 7-8x lower on A100/H100. Unknown (None, or
     a name we do not know): the label.
     """
-    if precision in _AMP_PRECISIONS:
-        return precision
+    amp = mixed_precision_dtype(precision)
+    if amp is not None:
+        return amp
     return _FP32_MATMUL_COLUMN.get(matmul_precision or "", precision)
 
 

@@ -112,10 +112,11 @@ def _kill_tree(pid: int) -> None:
 
 
 class _ColdChild:
-    def __init__(self, spec_path: Path, result_path: Path, log_path: Path, env: dict[str, str], python: str) -> None:
+    def __init__(self, spec_path: Path, result_path: Path, log_path: Path, env: dict[str, str], python: str,
+                 module: str = "autotune.probe") -> None:
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [python, "-m", "autotune.probe", str(spec_path), str(result_path)],
+                [python, "-m", module, str(spec_path), str(result_path)],
                 stdout=log,
                 stderr=log,
                 stdin=subprocess.DEVNULL,
@@ -294,9 +295,9 @@ def _without_main_module() -> Iterator[None]:
 
 
 class _ForkedChild:
-    def __init__(self, spec_path: Path, result_path: Path, log_path: Path, env: dict[str, str]) -> None:
+    def __init__(self, spec_path: Path, result_path: Path, log_path: Path, env: dict[str, str], target: Any = _forked_main) -> None:
         self.process = _server_context().Process(
-            target=_forked_main, args=(str(spec_path), str(result_path), str(log_path), env), name="autotune-probe"
+            target=target, args=(str(spec_path), str(result_path), str(log_path), env), name="autotune-probe"
         )
         with _without_main_module():
             self.process.start()
@@ -315,11 +316,14 @@ class _ForkedChild:
 
 
 def _launch(
-    mode: IsolationMode, spec_path: Path, result_path: Path, log_path: Path, env: dict[str, str], python: str
+    mode: IsolationMode, spec_path: Path, result_path: Path, log_path: Path, env: dict[str, str], python: str,
+    *, target: Any = _forked_main, module: str = "autotune.probe",
 ) -> _Child:
+    """Start a child: forked from the probe server to run ``target``, or cold as ``python -m module``; both get
+    ``SPEC RESULT`` (the plan-time check of a user's Trainer, :mod:`autotune.probe.trainer_check`, has its own)."""
     if mode == "cold":
-        return _ColdChild(spec_path, result_path, log_path, env, python)
-    return _ForkedChild(spec_path, result_path, log_path, env)
+        return _ColdChild(spec_path, result_path, log_path, env, python, module)
+    return _ForkedChild(spec_path, result_path, log_path, env, target)
 
 
 def _tail(path: Path) -> str:

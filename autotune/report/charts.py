@@ -21,7 +21,8 @@ from autotune.units import format_bytes
 GiB = 2**30
 CEILING_DRAW_FACTOR = 4.0  # draw the ceiling line when it is at most this many times the highest peak
 COLORWAY = ["#3b6fd8", "#e0762d", "#2e9f5b", "#c23b4e", "#8a5cc7", "#7a6a55", "#d45fb0", "#6b7385"]
-GROUP_COLORS = {"fp32": "#3b6fd8", "tf32": "#8a5cc7", "fp16": "#e0762d", "bf16": "#2e9f5b", ProbeStatus.OOM.value: "#c23b4e"}  # per precision, and OOMs
+GROUP_COLORS = {"fp32": "#3b6fd8", "tf32": "#8a5cc7", "fp16": "#e0762d", "bf16": "#2e9f5b",  # per precision (+tf32: a darker shade)
+                "fp16+tf32": "#a8531a", "bf16+tf32": "#1d6b3c", ProbeStatus.OOM.value: "#c23b4e"}  # and OOMs
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ def param_importance(frame: pd.DataFrame) -> dict[str, float]:
     from optuna.importance import PedAnovaImportanceEvaluator, get_param_importances
 
     ok = frame[(frame["status"] == ProbeStatus.OK.value) & frame["samples_per_s"].notna()]
-    varied = [name for name in PARAM_NAMES if ok[name].astype(str).nunique() > 1]
+    varied = [name for name in PARAM_NAMES if name in ok.columns and ok[name].astype(str).nunique() > 1]
     if len(ok) < 3 or not varied:
         return {}
     choices = {name: sorted(set(ok[name].astype(str))) for name in varied}

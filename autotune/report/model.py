@@ -18,7 +18,7 @@ import pandas as pd
 
 import autotune.storage as storage_lib
 from autotune.errors import NothingFits
-from autotune.params import PARAM_NAMES, fp32_matmul_setting
+from autotune.params import PARAM_NAMES, TrialParams, fp32_matmul_setting
 from autotune.records import ProbeStatus
 from autotune.report.charts import (
     Chart,
@@ -29,7 +29,7 @@ from autotune.report.charts import (
     chart_throughput_vs_batch,
 )
 from autotune.report.formatting import Kind, format_count, format_value, is_missing, sort_key
-from autotune.results import TuneResult, no_result_error, short_config
+from autotune.results import TuneResult, no_result_error, same_params, short_config
 from autotune.space import SearchSpace
 from autotune.studies import DEFAULT_STORAGE
 from autotune.units import format_bytes, format_duration
@@ -58,6 +58,7 @@ class Column:
     label: str
     kind: Kind
     optional: bool = False  # measured only by some probes/devices: left out when absent or all empty
+    hidden_at_default: bool = False  # a parameter left out while every configuration holds it at its default
 
 
 TABLE_COLUMNS: tuple[Column, ...] = (
@@ -72,6 +73,11 @@ TABLE_COLUMNS: tuple[Column, ...] = (
     Column("attn_implementation", "attention", "text"),
     Column("dataloader_num_workers", "workers", "int"),
     Column("gradient_checkpointing", "ckpt", "bool"),
+    Column("use_liger_kernel", "liger", "bool", hidden_at_default=True),
+    Column("torch_empty_cache_steps", "empty cache every", "int", hidden_at_default=True),  # "-": never
+    Column("dataloader_pin_memory", "pin memory", "bool", hidden_at_default=True),
+    Column("dataloader_persistent_workers", "persistent workers", "bool", hidden_at_default=True),
+    Column("dataloader_prefetch_factor", "prefetch", "int", hidden_at_default=True),  # "-": torch's 2 per worker
     Column("samples_per_s", "samples/s", "rate"),
     Column("n_probes", "probes", "int"),
     Column("spread_rel", "spread", "fraction", optional=True),
@@ -221,10 +227,8 @@ def default_settings_trials(result: TuneResult) -> pd.DataFrame:
     frame = result.trials
     if not baseline or frame.empty:
         return frame.iloc[0:0]
-    fixed = [n for n in PARAM_NAMES if n not in ("per_device_train_batch_size", "gradient_accumulation_steps")]
-    mask = pd.Series(True, index=frame.index)
-    for name in fixed:
-        mask &= frame[name] == baseline.get(name)
+    fixed = tuple(n for n in PARAM_NAMES if n not in ("per_device_train_batch_size", "gradient_accumulation_steps"))
+    mask = same_params(frame, baseline, fixed)
     if not result.settings.get("effective_batch_size"):
         mask &= frame["gradient_accumulation_steps"] == baseline.get("gradient_accumulation_steps")
     return frame[mask & frame["duplicate_of"].isna()]
@@ -315,6 +319,10 @@ def training_arguments_code(result: TuneResult) -> str:
     kwargs = result.best_kwargs()
     attn = kwargs.pop("attn_implementation")
     model, comment = model_reference(result.settings)
+    model_line = f"model = AutoModelForCausalLM.from_pretrained({_literal(model)}, attn_implementation={_literal(attn)}){comment}"
+    if result.settings.get("trainer"):  # a user's factory (--trainer) builds the model and the Trainer from these arguments
+        function = str(result.settings["trainer"]).rpartition(":")[2]
+        model_line = f"# your factory ({result.settings['trainer']}): trainer = {function}(args, attn_implementation={_literal(attn)})"
     best = result.best
     speed = f"{float(best['samples_per_s']):,.1f} samples/s" if best is not None else ""
     device = result.settings.get("device", {}).get("name", "?")
@@ -324,7 +332,7 @@ def training_arguments_code(result: TuneResult) -> str:
         "from transformers import AutoModelForCausalLM, TrainingArguments",
         "",
         f"# autotune study {result.study_name!r}: {speed} on {device}",
-        f"model = AutoModelForCausalLM.from_pretrained({_literal(model)}, attn_implementation={_literal(attn)}){comment}",
+        model_line,
         "args = TrainingArguments(",
         '    output_dir="trainer_output",',
         *(f"    {k}={_literal(v)}," for k, v in kwargs.items()),
@@ -344,9 +352,12 @@ def _table(
     frame: pd.DataFrame, best_trial: int | None, probes: dict[int, tuple[str, ...]]
 ) -> tuple[tuple[Column, ...], tuple[TableRow, ...]]:
     """The configurations table; ``best_trial`` (the best configuration's first trial) is highlighted."""
+    defaults = TrialParams().to_dict()
     columns = tuple(
         c for c in TABLE_COLUMNS
-        if not c.optional or (c.key in frame.columns and frame[c.key].map(lambda v: not is_missing(v)).any())
+        if (not c.optional or (c.key in frame.columns and frame[c.key].map(lambda v: not is_missing(v)).any()))
+        and (not c.hidden_at_default or (c.key in frame.columns and frame[c.key].map(
+            lambda v, default=defaults[c.key]: (None if is_missing(v) else v) != default).any()))
     )
     rows = []
     for _, row in frame.iterrows():
@@ -397,6 +408,10 @@ def _summary(result: TuneResult, n_trials: int, counts: dict[str, int]) -> tuple
     items: list[tuple[str, str]] = [("Model", str(s.get("model", "?")) + (f" ({s['model_source']})" if s.get("model_source") else ""))]
     if s.get("num_parameters"):
         items.append(("Parameters", format_count(s["num_parameters"])))
+    if s.get("trainer"):  # a user's Trainer factory (--trainer): its model as it trains, adapters included
+        sizes = s.get("parameters") or {}
+        trained = f" ({format_count(sizes['trainable'])} of {format_count(sizes['total'])} parameters trainable)" if sizes.get("total") else ""
+        items.append(("Trainer", f"{s['trainer']}{trained}"))
     if s.get("peft"):
         from autotune.lora import LoraSettings
 

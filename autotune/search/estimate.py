@@ -46,6 +46,7 @@ class MemoryEstimate:
     peft: str | None = None
     trainable_parameters: int | None = None
     quantized_parameters: int = 0
+    use_liger_kernel: bool = False  # --liger-kernel: Liger's fused cross-entropy assumed (no logits tensor)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -62,8 +63,11 @@ def estimate_table(
     lora_r: int | None = None,
     lora_alpha: float | None = None,
     lora_target_modules: str | list[str] | None = None,
+    use_liger_kernel: bool = False,
 ) -> MemoryEstimate:
     """Predicted memory per precision x optimizer x checkpointing of ``space``, and the largest batch that fits.
+
+    ``use_liger_kernel``: with Liger's kernels, whose fused linear cross-entropy keeps no logits.
 
     ``peft``: ``lora`` or ``qlora`` with its adapters (:mod:`autotune.lora`): frozen base weights carry
     no gradient and no optimizer state (QLoRA's are 4-bit). A QLoRA estimate needs no GPU.
@@ -95,7 +99,8 @@ def estimate_table(
     for precision in loaded.choices["precision"]:
         for optim in loaded.choices["optim"]:
             for ckpt in (False, True):
-                params = TrialParams(precision=precision, optim=optim, gradient_checkpointing=ckpt, attn_implementation=attn_implementation)
+                params = TrialParams(precision=precision, optim=optim, gradient_checkpointing=ckpt, attn_implementation=attn_implementation,
+                                     use_liger_kernel=use_liger_kernel)
                 static = static_memory(dims, precision, optim)
                 largest = memory.largest_batch_that_fits(params, batch_sizes, device_memory_bytes)
                 peak = memory.predict(dataclasses.replace(params, per_device_train_batch_size=largest)) if largest else None
@@ -105,4 +110,4 @@ def estimate_table(
                 ))
     return MemoryEstimate(spec.name, dims.num_parameters, seq_len, attn_implementation, device_memory_bytes, tuple(rows),
                           peft=lora.describe() if lora else None, trainable_parameters=counts.trainable if counts else None,
-                          quantized_parameters=counts.quantized if counts else 0)
+                          quantized_parameters=counts.quantized if counts else 0, use_liger_kernel=use_liger_kernel)

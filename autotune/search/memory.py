@@ -2,7 +2,7 @@
 
 Peak device memory of one training step is modelled as (the seeds' M ~ P.D_param + B.A.D_act + O.D_opt)
 
-    peak(b) = static(precision, optim) + b * activations_per_sample(precision, attn, checkpointing, compile)
+    peak(b) = static(precision, optim) + b * activations_per_sample(precision, attn, checkpointing, compile, liger)
 
 * ``static``: fp32 master weights (4 B/param, also under AMP, where autocast adds a 16-bit copy of
   the weights it casts, 2 B/param), fp32 gradients (4 B/param), optimizer state (AdamW 8 B/param,
@@ -13,10 +13,17 @@ Peak device memory of one training step is modelled as (the seeds' M ~ P.D_param
   scaled by ``intermediate_size / 4h``); doubled in fp32; the ``5.a.s/h`` attention-score term only
   for ``eager`` attention (SDPA/FlashAttention never materialise the s x s scores); with
   checkpointing only each layer's input is kept (``2.s.h`` bytes) plus one layer recomputed;
-  plus the logits (``s.V`` in the compute dtype, upcast to fp32 for the loss, and their gradient).
+  plus the logits (``s.V`` in the compute dtype, upcast to fp32 for the loss, and their gradient),
+  which Liger's fused linear cross-entropy (``use_liger_kernel``) never materialises: it computes
+  the loss and the hidden state's gradient chunk by chunk, keeping only that gradient (``s.h``).
+  A ``+tf32`` precision stores as its 16-bit base (TF32 changes how matmuls compute, not what is kept).
 
 Batch size is the only parameter of a *memory group* (precision, optim, compile, attention,
-checkpointing) that changes peak memory; gradient accumulation and dataloader workers do not.
+checkpointing, Liger kernels) that changes peak memory; gradient accumulation and the DataLoader
+settings do not (pinned memory is host memory). ``torch_empty_cache_steps`` is not modelled: it
+returns the allocator's cached blocks to the device between steps, which lowers what other
+processes see and can avoid a fragmentation OOM near the ceiling, but not the peak inside a step;
+it costs time (each step after it allocates afresh), which the probes measure.
 
 :class:`MemoryModel` calibrates this online from measured peaks: one global least-squares fit of
 two scales (static and activation bytes, relative to the analytic model, or to generic relative
@@ -32,16 +39,23 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from autotune.params import TrialParams
+from autotune.params import TrialParams, mixed_precision_dtype
 from autotune.records import ProbeResult, ProbeStatus
 
 GiB = 2**30
 
 # Bytes per parameter of optimizer state, by substring of the TrainingArguments optim name (first match).
 # Adafactor is handled apart (factored second moment, no first moment by default).
+# Paged optimizers (paged_adamw_8bit, paged_adamw_32bit, paged_lion_*, paged_ademamix_*: bitsandbytes)
+# keep their state in CUDA unified memory, which the driver pages out to host memory only under
+# memory pressure: they are modelled as their 8-bit or 32-bit state on the device, the peak when
+# nothing is paged out (a probe that pages shows it in its measured peak and speed).
 _OPTIM_STATE_BYTES: tuple[tuple[str, float], ...] = (
     ("4bit", 1.0),
-    ("8bit", 2.0),  # two 1-byte moments (+ block-wise scales, negligible)
+    ("lion_8bit", 1.0),  # one 1-byte moment
+    ("rmsprop_bnb_8bit", 1.0),  # one 1-byte moment
+    ("ademamix_8bit", 3.0),  # three 1-byte states
+    ("8bit", 2.0),  # two 1-byte moments (+ block-wise scales, negligible): adamw_8bit, adamw_bnb_8bit, adamw_torch_8bit
     ("lion", 4.0),  # one moment
     ("sgd", 0.0),  # TrainingArguments' sgd has no momentum by default
     ("adagrad", 4.0),
@@ -50,7 +64,6 @@ _OPTIM_STATE_BYTES: tuple[tuple[str, float], ...] = (
     ("adam", 8.0),  # adamw_torch, adamw_torch_fused, adamw_hf, adamw_apex_fused...
 )
 _DEFAULT_OPTIM_STATE_BYTES = 8.0
-_AMP_PRECISIONS = ("fp16", "bf16")
 # Device memory a training process uses outside the caching allocator, as NVML sees it. The context
 # alone is ~400-500 MB with lazy module loading (pytorch#109888); on Hopper with CUDA 12/13 the
 # cuBLAS/cuBLASLt/cuDNN handles, their lazily loaded kernels and the workspaces cuBLAS takes with
@@ -58,7 +71,10 @@ _AMP_PRECISIONS = ("fp16", "bf16")
 # A probe measures its own (ProbeResult.non_allocator_bytes); this is the prior before any probe.
 CUDA_CONTEXT_BYTES = 1536 * 2**20
 COMPILE_ACTIVATION_FACTOR = 0.85  # inductor fuses pointwise ops, so fewer intermediates are saved
-GROUP_KEYS = ("precision", "optim", "torch_compile", "attn_implementation", "gradient_checkpointing")
+# Without model dims (a replay): the share of activations Liger's fused cross-entropy removes, the logits
+# being some tenths of them at common vocabularies and widths; the calibration fits the rest.
+LIGER_ACTIVATION_FACTOR = 0.7
+GROUP_KEYS = ("precision", "optim", "torch_compile", "attn_implementation", "gradient_checkpointing", "use_liger_kernel")
 PRUNE_MARGIN = 0.05  # prune only when predicted over the ceiling by more than this fraction
 UNCALIBRATED_PRUNE_MARGIN = 0.25  # the same for a group never measured, predicted from generic factors
 
@@ -150,7 +166,7 @@ def static_memory(dims: ModelDims, precision: str, optim: str) -> StaticMemory:
     q = dims.quantized_parameters
     p = dims.num_parameters - q  # held in fp32
     trainable = dims.trainable
-    weights = 4 * p + (2 * p if precision in _AMP_PRECISIONS else 0)  # fp32 master + autocast copies
+    weights = 4 * p + (2 * p if mixed_precision_dtype(precision) else 0)  # fp32 master + autocast copies
     weights += int(q * QLORA_BYTES_PER_QUANTIZED_PARAM)
     return StaticMemory(
         weights_bytes=weights,
@@ -163,7 +179,7 @@ def static_memory(dims: ModelDims, precision: str, optim: str) -> StaticMemory:
 def activation_bytes_per_sample(dims: ModelDims, params: TrialParams, seq_len: int) -> int:
     """Activation memory of one sample of ``seq_len`` tokens held for the backward pass."""
     s, h, a, layers = seq_len, dims.hidden_size, dims.num_attention_heads, dims.num_layers
-    width = 2 if params.precision in _AMP_PRECISIONS else 4  # bytes of an activation element
+    width = 2 if mixed_precision_dtype(params.precision) else 4  # bytes of an activation element
     scale = width / 2  # Korthikanti's coefficients count 16-bit activations
     mlp_scale = dims.intermediate_size / (4 * h)
     per_layer = s * h * (15 + 19 * mlp_scale) * scale  # 34.s.h at the standard 4h MLP
@@ -176,7 +192,11 @@ def activation_bytes_per_sample(dims: ModelDims, params: TrialParams, seq_len: i
         layer_total = layers * per_layer
     if params.torch_compile != "off":
         layer_total *= COMPILE_ACTIVATION_FACTOR
-    logits = s * dims.vocab_size * (width + 4 + 4)  # compute-dtype logits, fp32 upcast, fp32 gradient
+    if params.use_liger_kernel:
+        # Fused linear cross-entropy: no logits; the hidden state's gradient, computed in the forward pass, is kept.
+        logits = s * h * width
+    else:
+        logits = s * dims.vocab_size * (width + 4 + 4)  # compute-dtype logits, fp32 upcast, fp32 gradient
     return int(layer_total + logits)
 
 
@@ -195,14 +215,17 @@ def _generic_features(params: TrialParams) -> tuple[float, float]:
     Used when no model config is known (a replay table): the two scales are then fitted from
     the measurements, and these factors only say how the groups differ from one another.
     """
-    static = 4 + (2 if params.precision in _AMP_PRECISIONS else 0) + 4 + optimizer_state_bytes(params.optim, 1000, 1000) / 1000
-    act = 1.0 if params.precision in _AMP_PRECISIONS else 2.0
+    amp = mixed_precision_dtype(params.precision) is not None
+    static = 4 + (2 if amp else 0) + 4 + optimizer_state_bytes(params.optim, 1000, 1000) / 1000
+    act = 1.0 if amp else 2.0
     if params.attn_implementation == "eager":
         act *= 1.5
     if params.gradient_checkpointing:
         act *= 0.15
     if params.torch_compile != "off":
         act *= COMPILE_ACTIVATION_FACTOR
+    if params.use_liger_kernel:
+        act *= LIGER_ACTIVATION_FACTOR
     return static, act
 
 
@@ -304,14 +327,14 @@ class MemoryModel:
 
     def _sibling_slope(self, params: TrialParams, act: float) -> float | None:
         """Activation bytes per sample from groups with their own line and the same precision,
-        attention and checkpointing (they differ in optimizer or compile only), scaled by the
-        model's activation ratio between the two groups."""
+        attention, checkpointing and Liger kernels (they differ in optimizer or compile only), scaled
+        by the model's activation ratio between the two groups."""
         slopes = []
         for key, data in self._groups.items():
             sibling = TrialParams.from_dict({**params.to_dict(), **dict(zip(GROUP_KEYS, key))})
-            if key == memory_group(params) or (sibling.precision, sibling.attn_implementation, sibling.gradient_checkpointing) != (
-                params.precision, params.attn_implementation, params.gradient_checkpointing
-            ):
+            if key == memory_group(params) or (
+                sibling.precision, sibling.attn_implementation, sibling.gradient_checkpointing, sibling.use_liger_kernel
+            ) != (params.precision, params.attn_implementation, params.gradient_checkpointing, params.use_liger_kernel):
                 continue
             line = _line(data)
             if line is not None:

@@ -3,7 +3,12 @@
 A replay table is a CSV (optionally gzipped) with one row per configuration: one column per
 search-space parameter (the names in :data:`autotune.params.PARAM_NAMES`), ``status`` (ok, oom,
 timeout, crash, diverged), ``samples_per_s``, ``peak_mem_bytes`` and ``probe_s`` (the wall seconds
-the probe took, compilation included). Other columns are kept but not read.
+the probe took, compilation included). Other columns are kept but not read. A table without the
+column of a knob added later (:data:`autotune.params.KNOBS_ADDED_LATER`: ``use_liger_kernel``,
+``torch_empty_cache_steps``, ``dataloader_pin_memory``, ``dataloader_persistent_workers``,
+``dataloader_prefetch_factor``) was measured at that knob's default, and reads so. In the columns
+of ``torch_empty_cache_steps`` and ``dataloader_prefetch_factor`` an empty cell (or ``none``,
+``null``) is None, transformers' default.
 
 :class:`ReplayEvaluator` implements the loop's :class:`~autotune.search.loop.Evaluator`: a replayed
 trial returns its row and charges ``probe_s`` to a :class:`~autotune.search.loop.VirtualClock`, which
@@ -26,16 +31,19 @@ from typing import Any
 import pandas as pd
 
 from autotune.errors import ReplayTableError
-from autotune.params import PARAM_NAMES, TrialParams
+from autotune.params import KNOBS_ADDED_LATER, PARAM_NAMES, WORKER_ONLY_PARAMS, TrialParams
 from autotune.records import ProbeResult, ProbeStatus
 from autotune.search.loop import SearchSettings, VirtualClock, ranked_configurations, run_search
 from autotune.search.strategies.registry import DEFAULT_STRATEGY, make_strategy
 from autotune.space import SearchSpace
 
 MEASUREMENT_COLUMNS = ("status", "samples_per_s", "peak_mem_bytes", "probe_s")
-REQUIRED_COLUMNS = (*PARAM_NAMES, *MEASUREMENT_COLUMNS)
+REQUIRED_COLUMNS = (*(n for n in PARAM_NAMES if n not in KNOBS_ADDED_LATER), *MEASUREMENT_COLUMNS)
 _INT_PARAMS = ("per_device_train_batch_size", "gradient_accumulation_steps", "dataloader_num_workers")
+_OPTIONAL_INT_PARAMS = ("torch_empty_cache_steps", "dataloader_prefetch_factor")  # None or a positive integer
+_BOOL_PARAMS = ("gradient_checkpointing", "use_liger_kernel", "dataloader_pin_memory", "dataloader_persistent_workers")
 _STR_PARAMS = ("precision", "optim", "torch_compile", "attn_implementation")
+_NONE_TEXT = ("", "none", "null")
 
 
 @dataclass
@@ -58,8 +66,8 @@ class ReplayTable:
         choices: dict[str, tuple[Any, ...]] = {}
         for name in PARAM_NAMES:
             values = list(dict.fromkeys(self.frame[name].tolist()))
-            if name in _INT_PARAMS:
-                values.sort()
+            if name in _INT_PARAMS or name in _OPTIONAL_INT_PARAMS:
+                values.sort(key=lambda v: (v is not None, v or 0))  # None (the default) first
             choices[name] = tuple(values)
         return SearchSpace(name=self.name, choices=choices)
 
@@ -110,7 +118,8 @@ def load_table(path: str | Path) -> ReplayTable:
         raise ReplayTableError(f"replay table {path} not found: pass a CSV file (see bench/landscape.py to make one)")
     name = path.name.removesuffix(".gz").removesuffix(".csv")
     try:
-        frame = pd.read_csv(path, dtype={n: str for n in _STR_PARAMS + ("status",)}, keep_default_na=False, na_values=[""])
+        frame = pd.read_csv(path, dtype={n: str for n in _STR_PARAMS + _OPTIONAL_INT_PARAMS + ("status",)}, keep_default_na=False,
+                            na_values=[""])
     except pd.errors.EmptyDataError:
         raise ReplayTableError(f"replay table {path} is empty: write a CSV with a header row ({', '.join(REQUIRED_COLUMNS)}) "
                                "and one row per configuration (bench/landscape.py makes one)") from None
@@ -122,10 +131,25 @@ def load_table(path: str | Path) -> ReplayTable:
         raise ReplayTableError(f"replay table {path}: missing column {missing[0]!r} (a table needs {', '.join(REQUIRED_COLUMNS)})")
     if frame.empty:
         raise ReplayTableError(f"replay table {path} has a header but no rows: add one row per configuration (bench/landscape.py makes a table)")
+    defaults = TrialParams().to_dict()
+    for knob in KNOBS_ADDED_LATER:  # a table from before the knob: measured at its default
+        if knob not in frame.columns:
+            frame[knob] = pd.Series([defaults[knob]] * len(frame), index=frame.index, dtype=object)
     _check_rows(frame, path)
-    frame["gradient_checkpointing"] = frame["gradient_checkpointing"].map(_to_bool)
+    for column in _BOOL_PARAMS:
+        frame[column] = frame[column].map(_to_bool)
     for column in _INT_PARAMS:
         frame[column] = frame[column].astype(int)
+    for column in _OPTIONAL_INT_PARAMS:
+        frame[column] = pd.Series([_optional_int(v) for v in frame[column].tolist()], index=frame.index, dtype=object)
+    # Rows whose worker-only settings mean nothing (no workers) read as TrialParams holds them: at the default.
+    odd = pd.Series(False, index=frame.index)
+    for knob in WORKER_ONLY_PARAMS:
+        odd |= frame[knob].map(lambda v, default=defaults[knob]: v != default).astype(bool)
+    for position in (odd & (frame["dataloader_num_workers"] == 0)).to_numpy().nonzero()[0]:
+        params = TrialParams.from_dict({n: frame[n].iloc[position] for n in PARAM_NAMES})
+        for knob in WORKER_ONLY_PARAMS:
+            frame.iat[position, frame.columns.get_loc(knob)] = getattr(params, knob)
     index: dict[tuple[Any, ...], int] = {}
     columns = [frame[n].tolist() for n in PARAM_NAMES]
     for position, key in enumerate(zip(*columns)):
@@ -142,6 +166,14 @@ def _to_bool(value: Any) -> bool:
     return value if isinstance(value, bool) else str(value).strip().lower() in ("true", "1", "yes")
 
 
+def _is_none(value: Any) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value)) or str(value).strip().lower() in _NONE_TEXT
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if _is_none(value) else int(float(value))
+
+
 def _check_rows(frame: pd.DataFrame, path: Path) -> None:
     """Every problem names its column and its line in the file (the header is line 1)."""
 
@@ -153,21 +185,29 @@ def _check_rows(frame: pd.DataFrame, path: Path) -> None:
     if bad.any():
         i = int(bad.to_numpy().nonzero()[0][0])
         fail(i, "status", f"unknown status {frame['status'].iloc[i]!r} (use one of {', '.join(statuses)})")
-    for column in (*PARAM_NAMES, "probe_s"):
+    for column in (*(n for n in PARAM_NAMES if n not in _OPTIONAL_INT_PARAMS), "probe_s"):
         empty = frame[column].isna()
         if empty.any():
             fail(int(empty.to_numpy().nonzero()[0][0]), column, "empty value")
+    for column in _OPTIONAL_INT_PARAMS:
+        for i, value in enumerate(frame[column].tolist()):
+            if _is_none(value):
+                continue
+            number = pd.to_numeric(value, errors="coerce")
+            if pd.isna(number) or number != round(number) or number < 1:
+                fail(i, column, f"{value!r} is not empty (none) or a positive integer")
     for column in _INT_PARAMS:
         values = pd.to_numeric(frame[column], errors="coerce")
         bad = values.isna() | (values != values.round()) | (values < (0 if column == "dataloader_num_workers" else 1))
         if bad.any():
             i = int(bad.to_numpy().nonzero()[0][0])
             fail(i, column, f"{frame[column].iloc[i]!r} is not a valid integer")
-    ckpt = frame["gradient_checkpointing"].astype(str).str.strip().str.lower()
-    bad = ~ckpt.isin(["true", "false", "1", "0"])
-    if bad.any():
-        i = int(bad.to_numpy().nonzero()[0][0])
-        fail(i, "gradient_checkpointing", f"{frame['gradient_checkpointing'].iloc[i]!r} is not true or false")
+    for column in _BOOL_PARAMS:
+        text = frame[column].astype(str).str.strip().str.lower()
+        bad = ~text.isin(["true", "false", "1", "0"])
+        if bad.any():
+            i = int(bad.to_numpy().nonzero()[0][0])
+            fail(i, column, f"{frame[column].iloc[i]!r} is not true or false")
     for column in ("samples_per_s", "peak_mem_bytes", "probe_s"):
         values = pd.to_numeric(frame[column], errors="coerce")
         bad = frame[column].notna() & (values.isna() | (values < 0))
