@@ -1,6 +1,7 @@
 """Several workers on one study, in the replay benchmark: how much sooner N workers find a configuration within 2 % of the optimum.
 
     python -m bench.workers                              # design draws 0-49, 1/2/4/8 workers, 120 virtual minutes
+    python -m bench.workers --first-draw 300             # draws 300-349, held out (no one designed on them)
     python -m bench.workers --draws 10 --workers 1,4 --budget 60m --details rows.csv
     python -m bench.workers --tables                     # the shipped replay tables instead of the family
 
@@ -78,6 +79,7 @@ from autotune.space import SearchSpace  # noqa: E402
 from autotune.units import parse_bytes, parse_duration_s  # noqa: E402
 
 TARGET = 0.98
+DESIGN_DRAWS = 200  # draws 0-199 are the family's design range (bench/search.py); later ones are held out
 HEARTBEAT_INTERVAL_S = 3600.0  # real seconds: no heartbeat write during a simulated probe
 HEARTBEAT_GRACE_S = 1e9  # real seconds: no trial is ever failed as dead (no worker dies here)
 CLAIM_SETTLE_S = 5.0  # real seconds, an upper bound: the worker waited for is deciding, the clock stands still
@@ -399,7 +401,8 @@ def main(argv: list[str] | None = None) -> int:
         what = f"{len(specs)} replay table(s) x {args.seeds} seed(s)"
     else:
         worlds = [("family", args.first_draw + i, i) for i in range(args.draws)]
-        what = f"family design draws {args.first_draw}-{args.first_draw + args.draws - 1}"
+        last = args.first_draw + args.draws - 1
+        what = f"family {'design ' if last < DESIGN_DRAWS else ''}draws {args.first_draw}-{last}"
     tasks = [(kind, item, n, seed, budget_s, args.strategy, not args.concurrent, args.full, args.storage) for kind, item, seed in worlds for n in counts]
     started = time.monotonic()
     if args.processes <= 1:

@@ -17,8 +17,8 @@ from autotune.results import trials_frame
 from autotune.search.loop import SearchSettings, VirtualClock, ranked_configurations, run_search
 from autotune.search.memory import MemoryModel
 from autotune.search.replay import ReplayEvaluator, load_table, replay_search
-from autotune.search.strategies.base import SearchState, Strategy
-from autotune.search.strategies.bayes import BayesStrategy
+from autotune.search.strategies.base import SearchState, SeenKeys, Strategy
+from autotune.search.strategies.bayes import BayesStrategy, MemoryEvidence
 from autotune.search.strategies.failures import CRASH, DIVERGENCE, FailureModel
 from autotune.search.strategies.frontier import FrontierStrategy
 from autotune.search.strategies.registry import DEFAULT_STRATEGY, STRATEGIES, make_strategy
@@ -270,6 +270,102 @@ def test_bayes_measures_sizes_below_the_frontier_when_throughput_falls_past_a_mi
     run_search(study, space, fake, SearchSettings(memory_ceiling_bytes=40 * GiB, n_trials=8), baseline=baseline_params(),
                clock=fake.clock, strategy=BayesStrategy())
     assert ranked_configurations(study, 40 * GiB)[0].params.per_device_train_batch_size == 32
+
+
+# ---------------------------------------------------------------------------- bayes with other workers' probes in flight
+
+_PARALLEL_SPACE = {"per_device_train_batch_size": [4, 8, 16, 32], "precision": ["fp32", "bf16"], "dataloader_num_workers": [0, 2, 4, 8],
+                   "attn_implementation": ["eager", "sdpa"]}
+
+
+def _measured(number: int, sps: float, per_sample_bytes: int, **values) -> Probe:
+    params = TrialParams(**values)
+    batch = params.per_device_train_batch_size
+    return Probe(number, params, ProbeResult(status="ok", samples_per_s=sps, peak_mem_bytes=GiB + batch * per_sample_bytes, wall_s=40.0,
+                                             setup_s=10.0, warmup_s=3 * batch / sps, step_time_s=batch / sps, step_time_ci95_rel=0.01,
+                                             input_wait_fraction=0.0))
+
+
+def _parallel_state(history: list[Probe], in_flight: set, ceiling_bytes: int = 40 * GiB) -> SearchState:
+    memory = MemoryModel()
+    memory.observe_all((p.params, p.result) for p in history)
+    return SearchState(parse_space(_PARALLEL_SPACE), ceiling_bytes, memory, history,
+                       SeenKeys({p.params.key() for p in history}, in_flight), remaining_s=3600.0)
+
+
+def _without_pending() -> BayesStrategy:
+    """bayes as it was before it counted probes in flight: they were only excluded."""
+    strategy = BayesStrategy()
+    strategy._pending = lambda *args, **kwargs: []  # type: ignore[method-assign]
+    return strategy
+
+
+def test_bayes_with_nothing_in_flight_proposes_as_a_lone_worker() -> None:
+    history = [_measured(0, 50.0, 2**27), _measured(1, 90.0, 2**27, precision="bf16", per_device_train_batch_size=16)]
+    state = _parallel_state(history, set())
+    alone = SearchState(state.space, state.ceiling_bytes, state.memory, history, {p.params.key() for p in history}, remaining_s=3600.0)
+    assert BayesStrategy().propose(state) == BayesStrategy().propose(alone) == _without_pending().propose(state)
+
+
+def test_bayes_asks_another_question_than_a_probe_in_flight() -> None:
+    # Another worker probes the proposal; counted as measured at the model's mean, its neighbours
+    # that differ only in loader workers (a ~3 % effect, nothing waits on input) lose their
+    # expected improvement, and the next proposal changes something else. Only excluded (before),
+    # the next proposal was the same probe with another loader worker count.
+    history = [_measured(0, 50.0, 2**27), _measured(1, 90.0, 2**27, precision="bf16", per_device_train_batch_size=16)]
+    first = BayesStrategy().propose(_parallel_state(history, set()))
+    assert first is not None
+    state = _parallel_state(history, {first.key()})
+
+    def loader_only(proposal: TrialParams | None) -> bool:
+        assert proposal is not None and proposal != first
+        return proposal.replace(dataloader_num_workers=first.dataloader_num_workers) == first
+
+    assert loader_only(_without_pending().propose(state))
+    assert not loader_only(BayesStrategy().propose(state))
+
+
+def test_bayes_counts_a_probe_in_flight_that_likely_overflows_as_out_of_memory() -> None:
+    # 1 GiB + 1 GiB per sample, measured at batches 4 and 16: batch 32 needs 33 GiB, over the 32 GiB
+    # ceiling but within the prune margin, so it may be proposed. While it is in flight, another
+    # worker does not probe batch 32 again with another loader worker count (as it did before):
+    # the first OOM would rule out the second.
+    history = [_measured(0, 50.0, GiB, precision="bf16", per_device_train_batch_size=4),
+               _measured(1, 80.0, GiB, precision="bf16", per_device_train_batch_size=16)]
+    first = BayesStrategy().propose(_parallel_state(history, set(), 32 * GiB))
+    assert first is not None and first.per_device_train_batch_size == 32
+    state = _parallel_state(history, {first.key()}, 32 * GiB)
+    strategy = BayesStrategy()
+    context = strategy._get_context(state)
+    evidence = MemoryEvidence.of(context.groups, context.grid, history, state.ceiling_bytes)
+    assert strategy._pending(context, state, evidence) == [(first, False)]
+    before = _without_pending().propose(state)
+    assert before is not None and before.per_device_train_batch_size == 32
+    after = strategy.propose(state)
+    assert after is not None and after.per_device_train_batch_size < 32
+
+
+def test_bayes_brackets_the_memory_frontier_while_nothing_has_run_yet() -> None:
+    # At the start of a study every worker proposes before any probe has finished. The first
+    # (besides the baseline) takes the most frugal configuration at the smallest batch, for the
+    # chance it runs; the next ones keep its frugal memory settings but spread over larger batches
+    # (before: all of them at the smallest batch, with other loader worker counts).
+    space = parse_space({"per_device_train_batch_size": [1, 4, 8, 16, 32], "precision": ["fp32", "bf16"],
+                         "optim": ["adamw_torch_fused", "adafactor"], "gradient_checkpointing": [False, True], "dataloader_num_workers": [0, 2]})
+    baseline = space.with_changes(baseline_params())
+
+    def propose(in_flight: set, strategy: BayesStrategy) -> TrialParams:
+        proposal = strategy.propose(SearchState(space, 40 * GiB, MemoryModel(), [], SeenKeys(set(), in_flight), 3600.0, baseline=baseline))
+        assert proposal is not None
+        return proposal
+
+    first = propose({baseline.key()}, BayesStrategy())
+    assert (first.per_device_train_batch_size, first.optim, first.gradient_checkpointing) == (1, "adafactor", True)
+    second = propose({baseline.key(), first.key()}, BayesStrategy())
+    assert (second.optim, second.gradient_checkpointing) == ("adafactor", True) and second.per_device_train_batch_size > 1
+    third = propose({baseline.key(), first.key(), second.key()}, BayesStrategy())
+    assert third.per_device_train_batch_size not in (1, second.per_device_train_batch_size)
+    assert propose({baseline.key(), first.key()}, _without_pending()).per_device_train_batch_size == 1
 
 
 def test_the_surrogate_predicts_the_whole_grid_as_its_features_say() -> None:

@@ -42,13 +42,21 @@ improvement per expected probe second:
   measured accumulating as many samples per optimizer step as the incumbent
   (:meth:`BayesStrategy._comparison`), so the polish goes to the group that wins amortised.
 
+* **Other workers' probes in flight** (``state.seen.in_flight``) count as finished with their
+  likeliest outcome: a fit at the model's mean where a fit is likelier than not (the "kriging
+  believer": the variance around them shrinks, so near-copies lose their expected improvement),
+  else an OOM (what it would rule out is not probed meanwhile). N workers deciding on the same
+  finished probes then ask N different questions (:meth:`BayesStrategy._pending`). With one
+  worker nothing is in flight and nothing changes.
+
 ``P(fits)`` needs two memory-model predictions per memory group, the slowest part; the other
 factors bound the score from above, so groups are visited best bound first and the visit stops
 when no group left can beat the best score found (exact, and usually a few groups).
 
 While nothing has run (every probe so far ran out of memory or failed), the model has no memory
 scale: the most frugal memory settings (checkpointing, the optimizer with the least state, the
-smallest batch) come first, chosen for the chance they run.
+smallest batch) come first, chosen for the chance they run; once that is being probed by another
+worker, the next ones keep its frugal memory settings at larger batches (bracketing the frontier).
 """
 
 from __future__ import annotations
@@ -63,10 +71,10 @@ import numpy as np
 import optuna
 
 from autotune.params import PARAM_NAMES, TrialParams
-from autotune.records import Probe, ProbeStatus
+from autotune.records import Probe, ProbeResult, ProbeStatus
 from autotune.search.memory import GROUP_KEYS, PRUNE_MARGIN, UNCALIBRATED_PRUNE_MARGIN, optimizer_state_bytes
-from autotune.search.ranking import Configuration
-from autotune.search.strategies.base import SearchState, Strategy
+from autotune.search.ranking import Configuration, rank_configurations
+from autotune.search.strategies.base import SearchState, SeenKeys, Strategy
 from autotune.search.strategies.baselines import tpe_sampler
 from autotune.search.strategies.failures import KINDS, FailureModel
 from autotune.search.strategies.surrogate import ACCUM, BATCH, BlockBuilder, Grid, Surrogate, expected_improvement, normal_cdf
@@ -89,6 +97,8 @@ WORKER_SCALING = 0.9  # loader throughput ~ workers^0.9
 CAP_MARGIN = 0.1  # a loader's rate read off a waiting probe is a lower bound (the optimizer step hides in it), log scale
 OOM_IMPLIED = 0.05  # P(fits) left where an OOM elsewhere implies this one, given plausible activation ratios
 MEMORY_SD = {"line": 0.03, "point": 0.10, "none": 0.30}  # relative error of a predicted peak, by what the group has measured
+PENDING_NOISE = 0.02  # a pending probe's believed outcome is weighed like a probe with this CI (a real probe's default)
+PENDING_NUMBER = 10**9  # pending probes' numbers: after every real trial's
 
 # Prior means of log samples/s effects: the expert ordering, as a starting point only.
 _PRIOR: dict[str, dict[Any, float]] = {
@@ -341,30 +351,40 @@ class BayesStrategy(Strategy):
         grid = context.grid
         history = list(state.history)
         ran = [p for p in history if p.result.status is ProbeStatus.OK and p.result.samples_per_s and grid.flat_index(p.params) is not None]
-        mean, sd, cap = self._throughput(context, ran)
+        evidence = MemoryEvidence.of(context.groups, grid, history, state.ceiling_bytes)
+        pending = self._pending(context, state, evidence)
+        mean, sd, cap = self._throughput(context, ran, [params for params, fits in pending if fits])
+        feasible = state.feasible()
+        nothing_ran = not ran
+        if pending:
+            # Other workers' probes in flight count as finished with the outcome the model expects
+            # (see _pending), so this proposal complements them instead of repeating their question.
+            believed = self._believed(context, state, pending, mean)
+            ran = ran + [p for p in believed if p.result.ok]
+            history = history + believed
+            evidence = MemoryEvidence.of(context.groups, grid, history, state.ceiling_bytes)
+            feasible = rank_configurations(history, state.ceiling_bytes)
         p_ok: np.ndarray = np.ones(1)
         for kind in KINDS:
-            failures = FailureModel.from_history(grid, history, kind)
+            failures = FailureModel.from_history(grid, state.history, kind)  # what ran: a pending probe may still crash
             cached = context.p_ok.get(kind.name)
             if cached is None or cached[0] != failures.key():
                 cached = context.p_ok[kind.name] = (failures.key(), failures.p_ok_grid(grid))
             p_ok = p_ok * cached[1]  # over every axis but the batch: broadcast where used
         p_ok = np.broadcast_to(p_ok, grid.shape)
-        evidence = MemoryEvidence.of(context.groups, grid, history, state.ceiling_bytes)
         cost_ok, cost_fail = self._costs(context, history, mean)
         # What may be proposed at all.
         allowed = p_ok > 0.0
         allowed = allowed & ~self._batch_grid(context, evidence.ruled_out)
         if state.remaining_s is not None:
             allowed = allowed & (cost_ok <= state.remaining_s)
-        if not ran:
-            frugal = allowed & self._frugal_mask(context)
+        if nothing_ran:  # what ran, not what is believed to: a pending probe's fit is only likelier than not
+            frugal = allowed & self._frugal_mask(context, any_batch=self._frugal_pending(context, pending))
             allowed = frugal if frugal.any() else allowed
         allowed = allowed.copy()
         allowed.reshape(-1)[self._seen_flat(context, state, history)] = False
         if not allowed.any():
             return None
-        feasible = state.feasible()
         if state.remaining_s is not None:
             self._budget_s = max(self._budget_s, state.remaining_s)
         comparison = self._comparison(context, state, feasible, allowed, evidence, history)
@@ -394,7 +414,7 @@ class BayesStrategy(Strategy):
         known = self._batch_grid(context, evidence.known_fit)
         bound = self._score(gain, p_ok, np.ones(1), cost_ok, cost_fail, allowed)
         per_group = bound.max(axis=context.other_axes).reshape(-1)
-        self._refresh_lines(context, state, len(history))
+        self._refresh_lines(context, state, len(state.history))
         best_score, best_index = -np.inf, None
         for group in np.argsort(-per_group, kind="stable"):
             if per_group[group] <= best_score or not np.isfinite(per_group[group]):
@@ -414,8 +434,11 @@ class BayesStrategy(Strategy):
 
     # ------------------------------------------------------------------ the throughput model
 
-    def _throughput(self, context: _Context, ran: list[Probe]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Posterior mean and sd of log samples/s on the grid, loader included, and the loader's cap."""
+    def _throughput(self, context: _Context, ran: list[Probe], pending: Iterable[TrialParams] = ()) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Posterior mean and sd of log samples/s on the grid, loader included, and the loader's cap;
+        ``pending`` configurations (in flight elsewhere, expected to fit) count as measured at the
+        model's own mean (the "kriging believer"): that takes the uncertainty, so the expected
+        improvement, out of them and their neighbours, without moving the mean."""
         surrogate = context.surrogate
         rows, targets, noise = [], [], []
         for probe in ran:
@@ -426,9 +449,66 @@ class BayesStrategy(Strategy):
             noise.append(probe_noise**2 + MODEL_NOISE**2 + (wait / (1 - wait) * 0.05) ** 2)
         surrogate.prior_mean[surrogate.index_of("intercept")] = float(np.median(targets)) if targets else 0.0
         surrogate.fit(np.array(rows).reshape(len(rows), surrogate.n_features), np.array(targets), np.array(noise))
+        believed = [surrogate.features(params) for params in pending]
+        if believed:
+            believed_mean, _ = surrogate.predict_rows(np.array(believed))
+            rows += believed
+            targets += [float(m) for m in believed_mean]
+            noise += [PENDING_NOISE**2 + MODEL_NOISE**2] * len(believed)
+            surrogate.fit(np.array(rows).reshape(len(rows), surrogate.n_features), np.array(targets), np.array(noise))
         compute_mean, sd = surrogate.predict_grid()
         mean, cap = self._input_model(context, ran, compute_mean)
         return mean, np.maximum(sd, np.float32(MIN_SD)), cap
+
+    def _pending(self, context: _Context, state: SearchState, evidence: MemoryEvidence) -> list[tuple[TrialParams, bool]]:
+        """The configurations in flight in other workers (``state.seen.in_flight``) and whether each
+        is expected to fit: known to fit, or likelier to fit than not (and not ruled out).
+
+        Without them N workers deciding on the same finished probes ask N near-copies of one
+        question: the same memory cell with another loader worker count, three probes of a batch
+        whose first OOM would rule out the other two. Counting each as finished with its likeliest
+        outcome (a fit at the model's mean, else an OOM) makes the next proposal complement them.
+        """
+        in_flight = state.seen.in_flight if isinstance(state.seen, SeenKeys) else ()
+        if not in_flight:
+            return []
+        grid = context.grid
+        batches = list(grid.values[BATCH])
+        self._refresh_lines(context, state, len(state.history))
+        pending: list[tuple[TrialParams, bool]] = []
+        for key in sorted(in_flight, key=repr):  # a stable order: the storage's set order is not
+            params = TrialParams.from_dict(dict(zip(PARAM_NAMES, key)))
+            if grid.flat_index(params) is None:
+                continue
+            group, j = context.groups.index(params, grid), batches.index(params.per_device_train_batch_size)
+            if evidence.known_fit[group, j] or evidence.ruled_out[group, j]:
+                fits = bool(evidence.known_fit[group, j])
+            else:
+                fits = bool(self._p_fit_row(context, state, evidence, group)[j] >= 0.5)
+            pending.append((params, fits))
+        return pending
+
+    def _believed(self, context: _Context, state: SearchState, pending: list[tuple[TrialParams, bool]], mean: np.ndarray) -> list[Probe]:
+        """Pending configurations as probes with their believed outcome: a fit at the posterior
+        mean (its peak at the memory model's prediction, at most the ceiling), or an OOM."""
+        grid = context.grid
+        flat_mean = np.broadcast_to(mean, grid.shape).reshape(-1)
+        believed = []
+        for i, (params, fits) in enumerate(pending):
+            if fits:
+                result = ProbeResult(ProbeStatus.OK, samples_per_s=float(np.exp(flat_mean[grid.flat_index(params)])),
+                                     peak_mem_bytes=self._believed_peak(context, state, params))
+            else:
+                result = ProbeResult(ProbeStatus.OOM)
+            believed.append(Probe(PENDING_NUMBER + i, params, result))
+        return believed
+
+    def _believed_peak(self, context: _Context, state: SearchState, params: TrialParams) -> int:
+        ceiling = state.ceiling_bytes
+        line = self._line(context, state, context.groups.index(params, context.grid))
+        if line is None:
+            return ceiling
+        return int(min(max(line[0] + line[1] * params.per_device_train_batch_size, 1.0), ceiling))
 
     def _input_model(self, context: _Context, ran: list[Probe], compute_mean: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Mean log samples/s with the loader in, and the loader's cap per point (+inf: none known)."""
@@ -528,7 +608,7 @@ class BayesStrategy(Strategy):
                     continue  # checkpointing pays only at larger batches, which the measured group's OOMs say nothing about
                 plain = next((c.params for c in feasible if c.params.torch_compile == "off"), incumbent)
                 switched = state.space.with_changes(plain, gradient_checkpointing=value, torch_compile="off")
-                self._refresh_lines(context, state, len(history))
+                self._refresh_lines(context, state, len(state.history))
                 p_fit = self._p_fit_row(context, state, evidence, context.groups.index(switched, grid))
                 likely = [b for b, p in zip(grid.values[BATCH], p_fit) if p >= 0.5 and b <= switched.per_device_train_batch_size]
                 if not likely:
@@ -716,15 +796,22 @@ class BayesStrategy(Strategy):
                 indices.append(index)
         return indices
 
-    def _frugal_mask(self, context: _Context) -> np.ndarray:
-        """Before anything ran: checkpointing, the optimizer with the least state, the smallest batch."""
+    def _frugal_pending(self, context: _Context, pending: list[tuple[TrialParams, bool]]) -> bool:
+        """A configuration of the frugal mask (the smallest batch) is in flight elsewhere."""
+        mask = self._frugal_mask(context).reshape(-1)
+        return any(mask[context.grid.flat_index(params)] for params, _ in pending)
+
+    def _frugal_mask(self, context: _Context, *, any_batch: bool = False) -> np.ndarray:
+        """Before anything ran: checkpointing, the optimizer with the least state, the smallest batch
+        (``any_batch``: at any batch size, once the smallest is being probed elsewhere: the next
+        workers bracket the memory frontier instead of asking again whether the smallest runs)."""
         grid = context.grid
         mask = np.ones(grid.shape, dtype=bool)
         if True in grid.values["gradient_checkpointing"]:
             mask = mask & np.array([v is True for v in grid.values["gradient_checkpointing"]]).reshape(grid.broadcast_shape(("gradient_checkpointing",)))
         states = [optimizer_state_bytes(o, 10**9, 2048) for o in grid.values["optim"]]
         mask = mask & (np.array(states) == min(states)).reshape(grid.broadcast_shape(("optim",)))
-        return mask & (context.batch_values == min(grid.values[BATCH]))
+        return mask if any_batch else mask & (context.batch_values == min(grid.values[BATCH]))
 
     def _costs(self, context: _Context, history: list[Probe], mean: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Seconds a probe takes if it runs, and if it fails early (start-up, half the compilation, a step)."""
