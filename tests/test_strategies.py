@@ -384,3 +384,18 @@ def test_the_surrogate_predicts_the_whole_grid_as_its_features_say() -> None:
         index = grid.flat_index(point)
         assert mean.reshape(-1)[index] == pytest.approx(m, abs=1e-4)
         assert sd.reshape(-1)[index] == pytest.approx(s, abs=1e-4)
+
+
+def test_bayes_and_frontier_treat_tf32_on_top_of_mixed_precision_as_its_16_bit_base():
+    """bf16+tf32 / fp16+tf32 store weights, activations and optimizer state as bf16 / fp16 do: the
+    bayes memory kernels put them in the mixed-precision class, their prior is their base's, and the
+    frontier orders each right after its base."""
+    from autotune.search.strategies import bayes, frontier
+
+    assert bayes._precision_class("bf16+tf32") == bayes._precision_class("bf16") == "amp"
+    assert bayes._precision_class("fp16+tf32") == "amp"
+    assert bayes._precision_class("tf32") == bayes._precision_class("fp32") == "fp32"
+    assert bayes._PRIOR["precision"]["bf16+tf32"] == bayes._PRIOR["precision"]["bf16"]
+    assert "fp16+tf32" in bayes._KINDS["precision"]["16-bit"]
+    order = frontier._PREFERRED["precision"]
+    assert order.index("bf16+tf32") == order.index("bf16") + 1 and order.index("fp16+tf32") == order.index("fp16") + 1

@@ -70,7 +70,7 @@ from typing import Any
 import numpy as np
 import optuna
 
-from autotune.params import PARAM_NAMES, TrialParams
+from autotune.params import PARAM_NAMES, TrialParams, mixed_precision_dtype
 from autotune.records import Probe, ProbeResult, ProbeStatus
 from autotune.search.memory import GROUP_KEYS, PRUNE_MARGIN, UNCALIBRATED_PRUNE_MARGIN, optimizer_state_bytes
 from autotune.search.ranking import Configuration, rank_configurations
@@ -102,7 +102,7 @@ PENDING_NUMBER = 10**9  # pending probes' numbers: after every real trial's
 
 # Prior means of log samples/s effects: the expert ordering, as a starting point only.
 _PRIOR: dict[str, dict[Any, float]] = {
-    "precision": {"fp32": 0.0, "tf32": 0.5, "fp16": 0.85, "bf16": 0.9},
+    "precision": {"fp32": 0.0, "tf32": 0.5, "fp16": 0.85, "bf16": 0.9, "fp16+tf32": 0.85, "bf16+tf32": 0.9},
     "attn_implementation": {"eager": 0.0, "sdpa": 0.1, "flash_attention_2": 0.15, "flash_attention_3": 0.17},
     "gradient_checkpointing": {False: 0.0, True: -0.25},
     "optim": {"adamw_torch": -0.03, "adamw_torch_fused": 0.0, "adafactor": -0.05, "adamw_bnb_8bit": 0.0},
@@ -114,7 +114,7 @@ _HINGES = (16.0, 32.0, 64.0)  # throughput may fall past these sizes
 _STEP_SATURATION = (2.0, 8.0, 32.0)  # samples per optimizer step at which its step costs as much as the samples
 _TILT_AT = 4.0
 _KINDS: dict[str, dict[str, tuple[Any, ...]]] = {
-    "precision": {"16-bit": ("fp16", "bf16")},
+    "precision": {"16-bit": ("fp16", "bf16", "fp16+tf32", "bf16+tf32")},
     "attn_implementation": {"fused": ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")},
     "torch_compile": {"compiled": ("inductor", "inductor:default", "inductor:reduce-overhead", "inductor:max-autotune",
                                    "inductor:max-autotune-no-cudagraphs", "cudagraphs", "aot_eager")},
@@ -152,7 +152,7 @@ def _prior_mean(dim: str, value: Any) -> float:
 
 
 def _precision_class(value: Any) -> str:
-    return "amp" if value in ("fp16", "bf16") else "fp32"
+    return "amp" if mixed_precision_dtype(str(value)) is not None else "fp32"  # bf16+tf32 stores as bf16
 
 
 def _needs_no_less(dim: str, x: Any, y: Any) -> bool:

@@ -43,7 +43,7 @@ from autotune.search.strategies.baselines import tpe_sampler
 
 # Most likely fastest first; values not in the space are skipped.
 _PREFERRED: dict[str, tuple[Any, ...]] = {
-    "precision": ("bf16", "fp16", "tf32", "fp32"),
+    "precision": ("bf16", "bf16+tf32", "fp16", "fp16+tf32", "tf32", "fp32"),
     "attn_implementation": ("flash_attention_3", "flash_attention_2", "sdpa", "flex_attention", "eager"),
     "optim": ("adamw_torch_fused", "adamw_torch", "adamw_bnb_8bit", "adafactor"),
     "torch_compile": ("off",),
@@ -72,7 +72,8 @@ SECOND_ROUND_ORDER = (
     "precision",
 )
 # Optimizers by state size, smallest first (Adafactor factored, 8-bit Adam 2 B/param, AdamW 8 B/param).
-_FRUGAL_OPTIMIZERS = ("adafactor", "adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "adamw_torch_fused", "adamw_torch")
+_FRUGAL_OPTIMIZERS = ("adafactor", "lion_8bit", "paged_lion_8bit", "adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit",
+                      "adamw_torch_fused", "adamw_torch")
 COMPILE_PRIOR_S = 90.0  # expected compilation time before any compiled probe was measured
 MAX_TRIES_PER_MOVE = 3  # a move whose predicted frontier keeps running out of memory is dropped
 
