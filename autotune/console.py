@@ -13,7 +13,7 @@ from rich.progress import BarColumn, Progress, ProgressColumn, SpinnerColumn, Te
 from rich.table import Table
 from rich.text import Text
 
-from autotune.params import TrialParams
+from autotune.params import PARAM_NAMES, TrialParams
 from autotune.records import ProbeStatus
 from autotune.results import TuneResult
 from autotune.search.loop import TrialRecord
@@ -161,7 +161,7 @@ def ranked_table(result: TuneResult, top: int = 10, *, width: int | None = None)
     base_sps = result.baseline_samples_per_s
     figures = []
     for rank, row in ranked.iterrows():
-        params = TrialParams.from_dict({k: row[k] for k in TrialParams().to_dict()})
+        params = TrialParams.from_dict({k: row[k] for k in PARAM_NAMES})
         figures.append({
             "#": str(rank + 1),
             "trial": f"{int(row['trial'])}" + (" (baseline)" if row["is_baseline"] else ""),

@@ -145,6 +145,11 @@ class ModelSpec:
         return self._config_int(_NUM_HEADS_KEYS, "num_attention_heads")
 
     @property
+    def head_dim(self) -> int:
+        """Q of the FLOPs formula: the config's ``head_dim`` where it sets one, else hidden size / heads."""
+        return int(self.config.get("head_dim") or self.hidden_size // max(self.num_attention_heads, 1))
+
+    @property
     def vocab_size(self) -> int:
         """The size of the token vocabulary (rows of the embedding matrix)."""
         return self._config_int(_VOCAB_SIZE_KEYS, "vocab_size")

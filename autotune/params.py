@@ -9,7 +9,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 # fp32 | tf32 (fp32 weights, TF32 matmuls) | fp16 | bf16 (autocast mixed precision, fp32 master weights) |
@@ -30,7 +32,9 @@ DEFAULT_ATTN = "sdpa"
 # holds them at transformers' defaults (TrialParams.__post_init__), like a fixed effective batch size
 # derives accumulation, so equal trainings have equal keys and TrainingArguments never sees them.
 WORKER_ONLY_PARAMS = ("dataloader_persistent_workers", "dataloader_prefetch_factor")
-_OPTIONAL_INT_PARAMS = ("torch_empty_cache_steps", "dataloader_prefetch_factor")
+# Parameters by the kind of value they take (space files, replay tables and data frames are read by these).
+BOOL_PARAMS = ("gradient_checkpointing", "use_liger_kernel", "dataloader_pin_memory", "dataloader_persistent_workers")
+OPTIONAL_INT_PARAMS = ("torch_empty_cache_steps", "dataloader_prefetch_factor")  # None, or a positive integer
 
 
 @dataclass(frozen=True)
@@ -61,10 +65,10 @@ class TrialParams:
             value = getattr(self, name)
             if hasattr(value, "item"):
                 value = value.item()
-            if name in _OPTIONAL_INT_PARAMS and isinstance(value, float):
+            if name in OPTIONAL_INT_PARAMS and isinstance(value, float):
                 value = None if math.isnan(value) else int(value)
             if self.dataloader_num_workers == 0 and name in WORKER_ONLY_PARAMS:
-                value = _FIELD_DEFAULTS[name]
+                value = PARAM_DEFAULTS[name]
             if value is not getattr(self, name):
                 object.__setattr__(self, name, value)
 
@@ -111,7 +115,7 @@ class TrialParams:
         # The later knobs only where they differ from transformers' default (worker-only ones are at
         # their default without workers: __post_init__), so older exports read unchanged.
         for name in KNOBS_ADDED_LATER:
-            if getattr(self, name) != _FIELD_DEFAULTS[name]:
+            if getattr(self, name) != PARAM_DEFAULTS[name]:
                 kwargs[name] = getattr(self, name)
         return kwargs
 
@@ -159,7 +163,8 @@ KNOBS_ADDED_LATER: tuple[str, ...] = (
     "use_liger_kernel", "torch_empty_cache_steps", "dataloader_pin_memory", "dataloader_persistent_workers",
     "dataloader_prefetch_factor",
 )
-_FIELD_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(TrialParams)}
+# Each parameter's default (transformers' own): what a missing key, column or stored value reads as. Read-only.
+PARAM_DEFAULTS: Mapping[str, Any] = MappingProxyType({f.name: f.default for f in dataclasses.fields(TrialParams)})
 
 
 def mixed_precision_dtype(precision: str) -> str | None:

@@ -17,7 +17,7 @@ import pandas as pd
 
 import autotune.studies as studies
 from autotune.errors import NoResult, NothingFits
-from autotune.params import KNOBS_ADDED_LATER, PARAM_NAMES, TrialParams
+from autotune.params import KNOBS_ADDED_LATER, PARAM_DEFAULTS, PARAM_NAMES, TrialParams
 from autotune.records import Probe, ProbeResult, ProbeStatus
 from autotune.search.ranking import rank_configurations
 from autotune.studies import (
@@ -82,14 +82,13 @@ def trials_frame(study: optuna.Study, memory_ceiling_bytes: int | None, *, inclu
             (the sampler proposed it again; it was not re-run).
     """
     rows: list[dict[str, Any]] = []
-    defaults = TrialParams().to_dict()
     for trial in study.get_trials(deepcopy=False):
         attrs = trial.user_attrs
         if not include_repeats and ATTR_DUPLICATE_OF in attrs:
             continue
         params = attrs.get(ATTR_PARAMS) or {}
         if params:  # a trial from before a knob existed ran at its default
-            params = {**{name: defaults[name] for name in KNOBS_ADDED_LATER}, **params}
+            params = {**{name: PARAM_DEFAULTS[name] for name in KNOBS_ADDED_LATER}, **params}
         result = attrs.get(ATTR_RESULT) or {}
         state = trial.state.name.lower()
         row: dict[str, Any] = {

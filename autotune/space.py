@@ -21,14 +21,17 @@ import yaml
 from autotune.errors import SearchSpaceError, UsageError
 from autotune.params import (
     ATTN_IMPLEMENTATIONS,
+    BOOL_PARAMS,
     COMPILE_BACKENDS,
     COMPILE_MODES,
     KNOBS_ADDED_LATER,
+    PARAM_DEFAULTS,
     PARAM_NAMES,
     PRECISIONS,
     WORKER_ONLY_PARAMS,
     TrialParams,
     baseline_params,
+    mixed_precision_dtype,
     parse_compile,
     uses_tf32,
 )
@@ -176,7 +179,7 @@ class SearchSpace:
     def to_dict(self) -> dict[str, Any]:
         """The space as stored with a study. A later knob held at its default alone is left out, with
         what was dropped of it (as before it existed), so a study from before it resumes under the same name."""
-        defaults = TrialParams().to_dict()
+        defaults = PARAM_DEFAULTS
         unseen = {k for k, v in self.choices.items() if k in KNOBS_ADDED_LATER and tuple(v) == (defaults[k],)}
         return {
             "name": self.name,
@@ -195,7 +198,7 @@ class SearchSpace:
             dropped.append(Dropped(param, value, reason))
         choices = {k: tuple(v) for k, v in (data.get("choices") or {}).items()}
         if choices:  # a later knob missing from a stored space was held at its default (see to_dict)
-            defaults = TrialParams().to_dict()
+            defaults = PARAM_DEFAULTS
             choices.update({k: (defaults[k],) for k in KNOBS_ADDED_LATER if k not in choices})
         return cls(str(data.get("name", "")), choices, data.get("effective_batch_size"), tuple(dropped))
 
@@ -246,7 +249,7 @@ class SearchSpace:
         """
         dropped: list[Dropped] = list(self.dropped)
         choices: dict[str, tuple[Any, ...]] = {}
-        defaults = TrialParams().to_dict()
+        defaults = PARAM_DEFAULTS
         for name, values in self.choices.items():
             kept = []
             default = defaults.get(name)
@@ -284,7 +287,7 @@ def _unrunnable_reason(
     if name == "precision":
         if uses_tf32(value) and not device.supports_tf32:
             return "TF32 needs an Ampere or newer NVIDIA GPU"
-        if value.startswith("bf16") and not device.supports_bf16:
+        if mixed_precision_dtype(value) == "bf16" and not device.supports_bf16:
             return "bf16 needs an Ampere or newer GPU"
     elif name == "optim":
         for marker, module in _OPTIM_PACKAGES.items():
@@ -404,7 +407,7 @@ def parse_space(data: Any, *, name: str = "custom", source: str = "<space>") -> 
     if not isinstance(data, dict):
         raise SearchSpaceError(f"{source}: expected a mapping of parameter -> list of values, e.g. 'precision: [fp32, bf16]'")
     problems: list[str] = []
-    defaults = TrialParams().to_dict()
+    defaults = PARAM_DEFAULTS
     choices: dict[str, tuple[Any, ...]] = {}
     grow_batches_by: int | None = None
     for key in data:
@@ -472,7 +475,7 @@ def _check_value(param: str, value: Any) -> str | None:
     elif param == "dataloader_num_workers":
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             return f"{value!r} is not a non-negative integer"
-    elif param in ("gradient_checkpointing", "use_liger_kernel", "dataloader_pin_memory", "dataloader_persistent_workers"):
+    elif param in BOOL_PARAMS:
         if not isinstance(value, bool):
             return f"{value!r} is not true or false"
     elif param == "torch_empty_cache_steps":

@@ -66,7 +66,7 @@ from typing import Any
 
 import numpy as np
 
-from autotune.params import KNOBS_ADDED_LATER, PARAM_NAMES, TrialParams
+from autotune.params import KNOBS_ADDED_LATER, PARAM_DEFAULTS, PARAM_NAMES, TrialParams
 from autotune.records import ProbeResult, ProbeStatus
 from autotune.search.loop import VirtualClock
 from autotune.space import SearchSpace, load_space
@@ -376,9 +376,8 @@ FAMILY_PARAMS = tuple(n for n in PARAM_NAMES if n not in KNOBS_ADDED_LATER)
 def family_space() -> SearchSpace:
     """The built-in default space with the later knobs held at their defaults."""
     space = load_space("default")
-    defaults = TrialParams().to_dict()
     for knob in KNOBS_ADDED_LATER:
-        space = space.with_values(knob, (defaults[knob],))
+        space = space.with_values(knob, (PARAM_DEFAULTS[knob],))
     return space
 
 

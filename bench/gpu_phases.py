@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from autotune.models import ModelSpec, resolve_model
-from autotune.params import PARAM_NAMES, PRECISIONS, TrialParams
+from autotune.params import PARAM_DEFAULTS, PARAM_NAMES, PRECISIONS, TrialParams
 from autotune.probe.evaluator import ProbeEvaluator
 from autotune.records import DeviceInfo, ProbeResult, ProbeStatus
 from autotune.units import format_bytes, format_duration
@@ -891,9 +891,8 @@ def landscape_grid(grid: dict[str, tuple[Any, ...]]) -> list[TrialParams]:
     """Every combination of the grid's values (a replay table must hold them all), cheapest first:
     uncompiled configurations, then compiled ones grouped by compiled graph so each compiles cold once
     and the rest of its group hits inductor's cache."""
-    defaults = TrialParams().to_dict()  # a knob the grid does not name is held at its default
     configs = [TrialParams(**dict(zip(PARAM_NAMES, combo)))
-               for combo in itertools.product(*(grid.get(n, (defaults[n],)) for n in PARAM_NAMES))]
+               for combo in itertools.product(*(grid.get(n, (PARAM_DEFAULTS[n],)) for n in PARAM_NAMES))]  # a knob the grid does not name: its default
 
     def key(p: TrialParams) -> tuple[Any, ...]:
         graph = (p.per_device_train_batch_size, p.precision, p.attn_implementation, p.gradient_checkpointing)

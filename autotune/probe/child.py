@@ -610,12 +610,11 @@ def _build_model(spec: ProbeSpec, cuda: bool) -> tuple[Any, Any, float, float]:
     if cuda:
         torch.cuda.synchronize()
     model_build_s = time.perf_counter() - build_start_s
-    head_dim = int(model_spec.config.get("head_dim") or model_spec.hidden_size // model_spec.num_attention_heads)
     matmul_params = _matmul_params(model)
-    # Frozen weights skip their weight-gradient matmul in backward: 2 of the 6 FLOPs per parameter and token.
     flops_per_token = model_flops_per_token(
-        matmul_params, model_spec.num_layers, model_spec.num_attention_heads, head_dim, spec.seq_len
-    ) - 2.0 * (matmul_params - _matmul_params(model, trainable_only=True))
+        matmul_params, model_spec.num_layers, model_spec.num_attention_heads, model_spec.head_dim, spec.seq_len,
+        frozen_params=matmul_params - _matmul_params(model, trainable_only=True),
+    )
     return model, counts, model_build_s, flops_per_token
 
 

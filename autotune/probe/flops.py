@@ -53,19 +53,22 @@ PEAK_TFLOPS: tuple[tuple[str, Mapping[str, float]], ...] = (
 
 
 def model_flops_per_token(
-    matmul_params: int, num_layers: int, num_heads: int, head_dim: int, seq_len: int
+    matmul_params: int, num_layers: int, num_heads: int, head_dim: int, seq_len: int, frozen_params: int = 0
 ) -> float:
-    """Training FLOPs per token, forward and backward: ``6N + 12·L·H·Q·T`` (PaLM Appendix B).
+    """Training FLOPs per token, forward and backward: ``6N + 12·L·H·Q·T`` (PaLM Appendix B), less
+    ``2`` per frozen matmul parameter: a frozen weight skips its weight-gradient matmul in backward
+    (2 of the 6 FLOPs per parameter and token).
 
     Args:
         matmul_params: N, the parameters used in matrix multiplies: every weight except the input
             embedding tables, with the output projection counted once even when tied.
-        num_layers: L.
+        num_layers: L (0 where the model's config does not say: the attention term is left out).
         num_heads: H.
         head_dim: Q (hidden size / heads).
         seq_len: T, tokens per sample.
+        frozen_params: those of the N that are not trained (a LoRA base).
     """
-    return 6.0 * matmul_params + 12.0 * num_layers * num_heads * head_dim * seq_len
+    return 6.0 * matmul_params + 12.0 * num_layers * num_heads * head_dim * seq_len - 2.0 * frozen_params
 
 
 def peak_tflops(device_name: str | None, precision: str) -> float | None:

@@ -279,10 +279,9 @@ def _config_dims(model: Any) -> tuple[int, int, int] | None:
 
     spec = ModelSpec(name="user", source="trainer", config=model_config_dict(model))
     try:
-        layers, heads, hidden = spec.num_layers, spec.num_attention_heads, spec.hidden_size
+        return spec.num_layers, spec.num_attention_heads, spec.head_dim
     except KeyError:
         return None
-    return layers, heads, int(spec.config.get("head_dim") or hidden // max(heads, 1))
 
 
 def pad_token_id(trainer: Any) -> int | None:
@@ -345,11 +344,9 @@ class ProbedTrainer:
         Frozen weights skip their weight-gradient matmul: 2 of the 6 FLOPs per parameter and token."""
         from autotune.probe.flops import model_flops_per_token
 
-        frozen = matmul_params - trainable_matmul_params
-        if self.dims is None or not mean_seq_len:
-            return 6.0 * matmul_params - 2.0 * frozen
-        layers, heads, head_dim = self.dims
-        return model_flops_per_token(matmul_params, layers, heads, head_dim, round(mean_seq_len)) - 2.0 * frozen
+        layers, heads, head_dim = self.dims if self.dims is not None and mean_seq_len else (0, 0, 0)  # 0 layers: 6N alone
+        return model_flops_per_token(matmul_params, layers, heads, head_dim, round(mean_seq_len or 0),
+                                     frozen_params=matmul_params - trainable_matmul_params)
 
     def extra(self) -> dict[str, Any]:
         """What the result's ``extra`` keeps: the Trainer's class, the fields the factory changed, the

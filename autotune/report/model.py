@@ -18,7 +18,7 @@ import pandas as pd
 
 import autotune.storage as storage_lib
 from autotune.errors import NothingFits
-from autotune.params import PARAM_NAMES, TrialParams, fp32_matmul_setting
+from autotune.params import PARAM_DEFAULTS, PARAM_NAMES, fp32_matmul_setting
 from autotune.records import ProbeStatus
 from autotune.report.charts import (
     Chart,
@@ -352,12 +352,11 @@ def _table(
     frame: pd.DataFrame, best_trial: int | None, probes: dict[int, tuple[str, ...]]
 ) -> tuple[tuple[Column, ...], tuple[TableRow, ...]]:
     """The configurations table; ``best_trial`` (the best configuration's first trial) is highlighted."""
-    defaults = TrialParams().to_dict()
     columns = tuple(
         c for c in TABLE_COLUMNS
         if (not c.optional or (c.key in frame.columns and frame[c.key].map(lambda v: not is_missing(v)).any()))
         and (not c.hidden_at_default or (c.key in frame.columns and frame[c.key].map(
-            lambda v, default=defaults[c.key]: (None if is_missing(v) else v) != default).any()))
+            lambda v, default=PARAM_DEFAULTS[c.key]: (None if is_missing(v) else v) != default).any()))
     )
     rows = []
     for _, row in frame.iterrows():

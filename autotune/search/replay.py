@@ -31,7 +31,15 @@ from typing import Any
 import pandas as pd
 
 from autotune.errors import ReplayTableError
-from autotune.params import KNOBS_ADDED_LATER, PARAM_NAMES, WORKER_ONLY_PARAMS, TrialParams
+from autotune.params import (
+    BOOL_PARAMS,
+    KNOBS_ADDED_LATER,
+    OPTIONAL_INT_PARAMS,
+    PARAM_DEFAULTS,
+    PARAM_NAMES,
+    WORKER_ONLY_PARAMS,
+    TrialParams,
+)
 from autotune.records import ProbeResult, ProbeStatus
 from autotune.search.loop import SearchSettings, VirtualClock, ranked_configurations, run_search
 from autotune.search.strategies.registry import DEFAULT_STRATEGY, make_strategy
@@ -40,8 +48,6 @@ from autotune.space import SearchSpace
 MEASUREMENT_COLUMNS = ("status", "samples_per_s", "peak_mem_bytes", "probe_s")
 REQUIRED_COLUMNS = (*(n for n in PARAM_NAMES if n not in KNOBS_ADDED_LATER), *MEASUREMENT_COLUMNS)
 _INT_PARAMS = ("per_device_train_batch_size", "gradient_accumulation_steps", "dataloader_num_workers")
-_OPTIONAL_INT_PARAMS = ("torch_empty_cache_steps", "dataloader_prefetch_factor")  # None or a positive integer
-_BOOL_PARAMS = ("gradient_checkpointing", "use_liger_kernel", "dataloader_pin_memory", "dataloader_persistent_workers")
 _STR_PARAMS = ("precision", "optim", "torch_compile", "attn_implementation")
 _NONE_TEXT = ("", "none", "null")
 
@@ -66,7 +72,7 @@ class ReplayTable:
         choices: dict[str, tuple[Any, ...]] = {}
         for name in PARAM_NAMES:
             values = list(dict.fromkeys(self.frame[name].tolist()))
-            if name in _INT_PARAMS or name in _OPTIONAL_INT_PARAMS:
+            if name in _INT_PARAMS or name in OPTIONAL_INT_PARAMS:
                 values.sort(key=lambda v: (v is not None, v or 0))  # None (the default) first
             choices[name] = tuple(values)
         return SearchSpace(name=self.name, choices=choices)
@@ -118,7 +124,7 @@ def load_table(path: str | Path) -> ReplayTable:
         raise ReplayTableError(f"replay table {path} not found: pass a CSV file (see bench/landscape.py to make one)")
     name = path.name.removesuffix(".gz").removesuffix(".csv")
     try:
-        frame = pd.read_csv(path, dtype={n: str for n in _STR_PARAMS + _OPTIONAL_INT_PARAMS + ("status",)}, keep_default_na=False,
+        frame = pd.read_csv(path, dtype={n: str for n in _STR_PARAMS + OPTIONAL_INT_PARAMS + ("status",)}, keep_default_na=False,
                             na_values=[""])
     except pd.errors.EmptyDataError:
         raise ReplayTableError(f"replay table {path} is empty: write a CSV with a header row ({', '.join(REQUIRED_COLUMNS)}) "
@@ -131,16 +137,16 @@ def load_table(path: str | Path) -> ReplayTable:
         raise ReplayTableError(f"replay table {path}: missing column {missing[0]!r} (a table needs {', '.join(REQUIRED_COLUMNS)})")
     if frame.empty:
         raise ReplayTableError(f"replay table {path} has a header but no rows: add one row per configuration (bench/landscape.py makes a table)")
-    defaults = TrialParams().to_dict()
+    defaults = PARAM_DEFAULTS
     for knob in KNOBS_ADDED_LATER:  # a table from before the knob: measured at its default
         if knob not in frame.columns:
             frame[knob] = pd.Series([defaults[knob]] * len(frame), index=frame.index, dtype=object)
     _check_rows(frame, path)
-    for column in _BOOL_PARAMS:
+    for column in BOOL_PARAMS:
         frame[column] = frame[column].map(_to_bool)
     for column in _INT_PARAMS:
         frame[column] = frame[column].astype(int)
-    for column in _OPTIONAL_INT_PARAMS:
+    for column in OPTIONAL_INT_PARAMS:
         frame[column] = pd.Series([_optional_int(v) for v in frame[column].tolist()], index=frame.index, dtype=object)
     # Rows whose worker-only settings mean nothing (no workers) read as TrialParams holds them: at the default.
     odd = pd.Series(False, index=frame.index)
@@ -185,11 +191,11 @@ def _check_rows(frame: pd.DataFrame, path: Path) -> None:
     if bad.any():
         i = int(bad.to_numpy().nonzero()[0][0])
         fail(i, "status", f"unknown status {frame['status'].iloc[i]!r} (use one of {', '.join(statuses)})")
-    for column in (*(n for n in PARAM_NAMES if n not in _OPTIONAL_INT_PARAMS), "probe_s"):
+    for column in (*(n for n in PARAM_NAMES if n not in OPTIONAL_INT_PARAMS), "probe_s"):
         empty = frame[column].isna()
         if empty.any():
             fail(int(empty.to_numpy().nonzero()[0][0]), column, "empty value")
-    for column in _OPTIONAL_INT_PARAMS:
+    for column in OPTIONAL_INT_PARAMS:
         for i, value in enumerate(frame[column].tolist()):
             if _is_none(value):
                 continue
@@ -202,7 +208,7 @@ def _check_rows(frame: pd.DataFrame, path: Path) -> None:
         if bad.any():
             i = int(bad.to_numpy().nonzero()[0][0])
             fail(i, column, f"{frame[column].iloc[i]!r} is not a valid integer")
-    for column in _BOOL_PARAMS:
+    for column in BOOL_PARAMS:
         text = frame[column].astype(str).str.strip().str.lower()
         bad = ~text.isin(["true", "false", "1", "0"])
         if bad.any():
