@@ -265,6 +265,12 @@ def _parameter_counts_cached(spec_json: str, settings: LoraSettings | None) -> P
     return count_model_parameters(apply_lora(model, settings), quantized=quantized)
 
 
+# How a QLoRA probe loads its base (autotune.probe.child._build_4bit_model), for the user's script.
+QLORA_BASE_CODE = ('from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", '
+                   'bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=the bf16/fp16 dtype trained in)), then '
+                   'peft.prepare_model_for_kbit_training(model)')
+
+
 def note(settings: LoraSettings | None, counts: dict[str, Any] | None = None) -> str | None:
     """The line best.json and the export carry: what the configuration was measured with (TrainingArguments
     has no LoRA field, so the user's script must wrap the model the same way)."""
@@ -273,7 +279,8 @@ def note(settings: LoraSettings | None, counts: dict[str, Any] | None = None) ->
     trained = ""
     if counts and counts.get("trainable") and counts.get("total"):
         trained = f" ({counts['trainable']:,} of {counts['total']:,} parameters trainable)"
-    return (f"measured with {settings.describe()}{trained}: wrap the model with "
+    load = f"load the base in 4 bits with {QLORA_BASE_CODE}, then " if settings.quantized else ""
+    return (f"measured with {settings.describe()}{trained}: {load}wrap the model with "
             f"peft.get_peft_model(model, {settings_code(settings)}) before Trainer")
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -275,3 +276,88 @@ def test_gpu_a_forked_probe_runs_on_the_resolved_uuid(monkeypatch) -> None:
     assert seen["on_target"], "no new compute process appeared on the resolved GPU during the probe"
     if seen["pid"] in seen["anywhere"]:  # NVML shows this PID namespace's numbers (not always so in a container)
         assert seen["pid"] in seen["on_target"]
+
+
+def test_the_run_cache_is_one_folder_per_driver_and_a_dead_drivers_is_swept(tmp_path) -> None:
+    """Files the probes of one run share live in autotune-cache-<pid>; a killed driver's is removed by the next run's sweep."""
+    from autotune.probe import isolation
+
+    root = str(tmp_path)
+    isolation._run_cache.pop(root, None)
+    first = isolation.run_cache_dir(root)
+    assert first == tmp_path / f"autotune-cache-{os.getpid()}" and first.is_dir()
+    assert isolation.run_cache_dir(root) == first  # the same folder for every probe
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f"autotune-cache-{dead.pid}"
+    (stale / "qlora-base-x").mkdir(parents=True)
+    alive = tmp_path / f"autotune-cache-{os.getppid()}"
+    alive.mkdir()
+    isolation.orphaned_probes(root)
+    assert not stale.exists() and alive.is_dir() and first.is_dir()
+    isolation._run_cache.pop(root, None)
+
+
+def test_probes_are_told_the_run_cache(monkeypatch) -> None:
+    from autotune.probe import isolation
+
+    seen = {}
+
+    def launch(mode, spec_path, result_path, log_path, env, python):  # type: ignore[no-untyped-def]
+        seen.update(env)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(isolation, "_launch", launch)
+    spec = ProbeSpec(model=resolve_model("tiny-gptneox").to_dict(), params=TrialParams(), seq_len=16, device="cpu")
+    with pytest.raises(KeyboardInterrupt):
+        isolation.run_isolated(spec, timeout_s=5, mode="cold")
+    assert seen[isolation.RUN_CACHE_ENV] == str(isolation.run_cache_dir())
+
+
+def test_the_server_imports_bitsandbytes_with_the_capability_from_nvml(monkeypatch) -> None:
+    """bitsandbytes asks torch for each GPU's compute capability on import, which initialises CUDA
+    (peft imports it, and the Trainer imports peft): the server reads it from NVML instead, so it
+    can still fork probes; torch's own function is back afterwards."""
+    import types
+
+    import torch
+
+    from autotune.probe import device as preload
+
+    fake = types.SimpleNamespace(
+        nvmlInit=lambda: None,
+        nvmlDeviceGetHandleByUUID=lambda uuid: ("uuid", uuid),
+        nvmlDeviceGetHandleByIndex=lambda index: ("index", index),
+        nvmlDeviceGetCudaComputeCapability=lambda handle: (9, 0) if handle == ("uuid", "GPU-b") else (8, 6),
+    )
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-a,GPU-b")
+    assert preload.nvml_compute_capability(types.SimpleNamespace(idx=1)) == (9, 0)
+    assert preload.nvml_compute_capability(0) == (8, 6)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    assert preload.nvml_compute_capability(None) == (8, 6)
+
+    asked = []
+    module = types.ModuleType("bitsandbytes")
+    original = torch.cuda.get_device_capability
+
+    def find_spec(name):  # type: ignore[no-untyped-def]
+        return object() if name == "bitsandbytes" else None
+
+    def fake_import(name, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if name == "bitsandbytes":
+            asked.append(torch.cuda.get_device_capability(torch.cuda.device(1)))
+            return module
+        return real_import(name, *args, **kwargs)
+
+    import builtins
+    import importlib.util
+
+    real_import = builtins.__import__
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    monkeypatch.setattr(builtins, "__import__", fake_import)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-a,GPU-b")
+    preload.import_bitsandbytes_without_cuda()
+    monkeypatch.setattr(builtins, "__import__", real_import)
+    assert asked == [(9, 0)]
+    assert torch.cuda.get_device_capability is original and not torch.cuda.is_initialized()

@@ -32,7 +32,8 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -647,25 +648,68 @@ def _build_4bit_model(model_spec: Any, params: Any, spec: ProbeSpec) -> Any:
     bitsandbytes on the GPU, prepared for k-bit training (norms and the head upcast to fp32).
 
     transformers quantizes while loading a checkpoint, never in ``from_config``: the random-weight
-    model is saved once (bf16, in the probe's scratch folder) and loaded back with the quantization config.
+    model is saved once per run (bf16, in the driver's run cache, :func:`qlora_base_checkpoint`) and
+    each probe loads it with the quantization config.
     """
     import torch
     from peft import prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from autotune.models import build_model
-
     compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision_dtype(params.precision) or "", torch.float32)
-    scratch = os.environ.get("AUTOTUNE_PROBE_SCRATCH")
-    with tempfile.TemporaryDirectory(prefix="autotune-qlora-base-", dir=scratch if scratch and os.path.isdir(scratch) else None) as folder:
-        build_model(model_spec, attn_implementation=params.attn_implementation, device="cpu", dtype=torch.bfloat16).save_pretrained(folder)
-        quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                          bnb_4bit_compute_dtype=compute)
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                      bnb_4bit_compute_dtype=compute)
+    with qlora_base_checkpoint(model_spec) as folder:
+        load_start_s = time.perf_counter()
         model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=quantization, dtype=torch.bfloat16,
                                                      device_map={"": 0}, attn_implementation=params.attn_implementation)
+        print(f"autotune: QLoRA base loaded in 4 bits in {time.perf_counter() - load_start_s:.1f}s", file=sys.stderr)
     model.config.use_cache = False
     # Checkpointing is the Trainer's to enable, as for every trial; _wrap_in_adapters makes inputs require grad.
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+
+
+@contextmanager
+def qlora_base_checkpoint(model_spec: Any) -> Iterator[Path]:
+    """A folder holding ``model_spec`` with random weights saved in bf16, for a 4-bit load.
+
+    Inside a run (``$AUTOTUNE_RUN_CACHE``, :func:`autotune.probe.isolation.run_cache_dir`) it is
+    written by the first probe that needs it and read by the others (a 1.3B model: 2.6 GB written
+    once instead of per probe); it appears under its final name in one rename, so a probe killed while
+    writing leaves no half checkpoint behind for the next. Outside a run, a temporary folder.
+    """
+    import hashlib
+    import json
+    import shutil
+
+    import torch
+
+    from autotune.models import build_model
+
+    def save(folder: str) -> None:
+        save_start_s = time.perf_counter()
+        build_model(model_spec, attn_implementation=None, device="cpu", dtype=torch.bfloat16).save_pretrained(folder)
+        print(f"autotune: QLoRA base built and saved in {time.perf_counter() - save_start_s:.1f}s", file=sys.stderr)
+
+    cache = os.environ.get("AUTOTUNE_RUN_CACHE")
+    if not cache or not os.path.isdir(cache):
+        scratch = os.environ.get("AUTOTUNE_PROBE_SCRATCH")
+        with tempfile.TemporaryDirectory(prefix="autotune-qlora-base-", dir=scratch if scratch and os.path.isdir(scratch) else None) as folder:
+            save(folder)
+            yield Path(folder)
+        return
+    key = hashlib.sha256(json.dumps(model_spec.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:16]
+    final = Path(cache) / f"qlora-base-{key}"
+    if not final.is_dir():
+        partial = Path(tempfile.mkdtemp(prefix=f"{final.name}.partial-", dir=cache))
+        try:
+            save(str(partial))
+            os.replace(partial, final)  # another probe may have won the race: then its copy is used
+        except OSError:
+            if not final.is_dir():
+                raise
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
+    yield final
 
 
 def _memory_fields(spec: ProbeSpec, callback: Any, baseline: CudaBaseline | None) -> dict[str, Any]:

@@ -391,3 +391,43 @@ def is_out_of_memory(exc: BaseException, *, cuda: bool = False) -> bool:
             return not cuda
         return any(marker in text for marker in _GPU_OOM_MARKERS)
     return False
+
+
+def nvml_compute_capability(device: object = None) -> tuple[int, int]:
+    """``torch.cuda.get_device_capability`` read from NVML, which does not initialise CUDA: the GPU
+    by its visible index (``CUDA_VISIBLE_DEVICES`` as indices or UUIDs, else NVML's order)."""
+    import pynvml
+
+    index = getattr(device, "idx", device)
+    index = 0 if index is None else int(index)
+    pynvml.nvmlInit()
+    visible = [entry.strip() for entry in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if entry.strip()]
+    entry = visible[index] if index < len(visible) else str(index)
+    handle = (pynvml.nvmlDeviceGetHandleByUUID(entry) if entry.startswith(("GPU-", "MIG-"))
+              else pynvml.nvmlDeviceGetHandleByIndex(int(entry)))
+    major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
+    return int(major), int(minor)
+
+
+def import_bitsandbytes_without_cuda() -> None:
+    """bitsandbytes reads every GPU's compute capability when it is imported, through
+    ``torch.cuda.get_device_capability``, which initialises CUDA; transformers' Trainer imports peft,
+    and peft imports bitsandbytes. So with bitsandbytes installed the server could fork no probe
+    (seen on an H100, 2026-11-22: every LoRA probe started cold, 17 s of overhead instead of about 1).
+    The probe server (:mod:`autotune.probe.preload`) imports it once with the capability read from
+    NVML instead (on that H100: every probe forked, about 1 s of overhead); should that fail, it is
+    left to fail the server's CUDA self-test, and probes start cold as before."""
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return
+    import torch
+
+    original = torch.cuda.get_device_capability
+    torch.cuda.get_device_capability = nvml_compute_capability  # type: ignore[assignment]
+    try:
+        import bitsandbytes  # noqa: F401
+    except Exception:  # noqa: BLE001 - a broken install is reported where it is used, not by the server
+        pass
+    finally:
+        torch.cuda.get_device_capability = original

@@ -7,6 +7,7 @@ same one-method interface, :class:`autotune.search.loop.Evaluator`.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +45,7 @@ class ProbeEvaluator:
     trainer: str | None = None  # the user's Trainer factory (ProbeSpec.trainer); None: the built-in model and data
     trainer_sys_path: str | None = None  # ProbeSpec.trainer_sys_path
     _trial_number: int | None = field(default=None, init=False, repr=False)
+    _last_probe_end_s: float | None = field(default=None, init=False, repr=False)  # time.time() when our last probe ended
 
     def spec_for(self, params: TrialParams) -> ProbeSpec:
         extra = COMPILE_EXTRA_WARMUP_STEPS if params.torch_compile != "off" else 0
@@ -81,10 +83,14 @@ class ProbeEvaluator:
         return [o for o in orphaned_probes() if all(o.note.get(k) == v for k, v in self.owner_note.items())]
 
     def evaluate(self, params: TrialParams, *, timeout_s: float) -> ProbeResult:
-        busy = interference(self.device_uuid, cuda=self.device.startswith("cuda"))  # before: our probe is not running yet
+        # Before: our probe is not running yet (nor is the last one's work counted).
+        busy = interference(self.device_uuid, cuda=self.device.startswith("cuda"), idle_since_s=self._last_probe_end_s)
         note = None
         if self.owner_note is not None:
             note = {**self.owner_note, "trial": self._trial_number, "params": params.to_dict()}
         self._trial_number = None
-        result = run_isolated(self.spec_for(params), timeout_s=timeout_s, mode=self.mode, device_uuid=self.device_uuid, note=note)
+        try:
+            result = run_isolated(self.spec_for(params), timeout_s=timeout_s, mode=self.mode, device_uuid=self.device_uuid, note=note)
+        finally:
+            self._last_probe_end_s = time.time()
         return result.replace(interference=busy) if busy else result

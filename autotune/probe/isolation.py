@@ -26,11 +26,14 @@ with their parent even when it is killed with ``kill -9``, and each child has it
 probe's folder (spec, result, output, scratch) is named after the driver's pid
 (``autotune-probe-<pid>-*`` in the temporary directory) and removed when the probe ends; one left by
 a driver that was killed is found by :func:`orphaned_probes` on the next run, which records a result
-the probe finished after its driver died and removes the folder.
+the probe finished after its driver died and removes the folder. Files the probes of one run share
+(:func:`run_cache_dir`) live in ``autotune-cache-<pid>``, removed with the driver or, after a kill,
+by that sweep.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import json
@@ -61,6 +64,7 @@ PRELOAD_MODULES = ["autotune.probe.preload"]
 
 _STDERR_TAIL_CHARS = 2000
 SCRATCH_ENV = "AUTOTUNE_PROBE_SCRATCH"  # the folder a probe child keeps its scratch files in
+RUN_CACHE_ENV = "AUTOTUNE_RUN_CACHE"  # a folder every probe of this driver shares (run_cache_dir)
 _SELF_TEST_TIMEOUT_S = 120.0  # the self-test child only reads two flags (the server's imports finish before it forks)
 
 # The variables torchrun sets in each worker (torch.distributed.run documentation, "Environment
@@ -404,6 +408,31 @@ def _probe_folder(note: dict[str, Any] | None, root: str | None = None) -> Itera
         shutil.rmtree(folder, ignore_errors=True)
 
 
+RUN_CACHE_PREFIX = "autotune-cache-"  # + "<driver pid>", in the temporary directory
+_RUN_CACHE_DIR = re.compile(re.escape(RUN_CACHE_PREFIX) + r"(\d+)$")
+_run_cache: dict[str | None, Path] = {}
+
+
+def run_cache_dir(root: str | None = None) -> Path:
+    """The folder this driver's probes share for files worth building once per run (QLoRA's
+    random-weight base checkpoint): ``autotune-cache-<pid>`` in the temporary directory, created on
+    first use and removed when this process exits; one left by a killed driver is removed by
+    :func:`orphaned_probes`. A probe finds it in ``$AUTOTUNE_RUN_CACHE``."""
+    if root not in _run_cache:
+        folder = Path(root or tempfile.gettempdir()) / f"{RUN_CACHE_PREFIX}{os.getpid()}"
+        folder.mkdir(parents=True, exist_ok=True)
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        _run_cache[root] = folder
+    return _run_cache[root]
+
+
+def _remove_dead_run_caches(base: Path) -> None:
+    for folder in base.glob(RUN_CACHE_PREFIX + "*"):
+        match = _RUN_CACHE_DIR.match(folder.name)
+        if match is not None and int(match.group(1)) != os.getpid() and not psutil.pid_exists(int(match.group(1))):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 @dataclass(frozen=True)
 class OrphanedProbe:
     """A probe whose driver died before it could record the result: the driver's note and the result."""
@@ -425,6 +454,7 @@ def orphaned_probes(root: str | None = None) -> list[OrphanedProbe]:
     that does not own the note's study leaves it for the run that does.
     """
     base = Path(root or tempfile.gettempdir())
+    _remove_dead_run_caches(base)
     found: list[OrphanedProbe] = []
     now_s = time.time()
     for folder in sorted(base.glob(PROBE_DIR_PREFIX + "*"), key=lambda p: p.stat().st_mtime if p.exists() else 0.0):
@@ -485,7 +515,7 @@ def run_isolated(
         # The child's scratch (the Trainer's output_dir) goes inside this folder, which is removed here
         # even when the child is killed before it can remove its own. The child knows the driver (to die
         # with it) and its own deadline.
-        env = {**env, SCRATCH_ENV: str(folder), DRIVER_PID_ENV: str(os.getpid()), DEADLINE_ENV: f"{timeout_s:.0f}"}
+        env = {**env, SCRATCH_ENV: str(folder), RUN_CACHE_ENV: str(run_cache_dir()), DRIVER_PID_ENV: str(os.getpid()), DEADLINE_ENV: f"{timeout_s:.0f}"}
         if mode == "forkserver" and not start_server():  # once per process; not charged to this trial
             mode = "cold"
         start_s = time.monotonic()

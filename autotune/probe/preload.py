@@ -29,6 +29,11 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 import torch  # noqa: F401
+
+from autotune.probe.device import import_bitsandbytes_without_cuda
+
+import_bitsandbytes_without_cuda()  # before transformers, whose Trainer imports peft, which imports it
+
 import transformers  # noqa: F401
 from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments  # noqa: F401
 

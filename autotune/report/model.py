@@ -292,14 +292,13 @@ def _peft_lines(result: TuneResult) -> list[str]:
     settings = result.settings.get("peft")
     if not settings:
         return []
-    from autotune.lora import LoraSettings, settings_code
+    from autotune.lora import QLORA_BASE_CODE, LoraSettings, settings_code
 
     lora = LoraSettings.from_dict(settings)
     lines = [f"# measured with {lora.describe()}: the same adapters (peft; not tuned)", "from peft import LoraConfig, get_peft_model",
              f"model = get_peft_model(model, {settings_code(lora)})"]
     if lora.quantized:
-        lines.insert(1, "# the base was loaded in 4 bits: from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True, "
-                     "bnb_4bit_quant_type=\"nf4\", bnb_4bit_use_double_quant=True)), then peft.prepare_model_for_kbit_training(model)")
+        lines.insert(1, f"# the base was loaded in 4 bits: {QLORA_BASE_CODE}")
     if result.best is not None and bool(result.best["gradient_checkpointing"]):
         lines.append("model.enable_input_require_grads()  # adapters behind checkpointed layers of a frozen base get gradients")
     return lines
