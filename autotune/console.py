@@ -119,8 +119,10 @@ def print_header(console: Console, plan: Any, resumed: int) -> None:
     trainer = getattr(plan, "trainer", None)  # a user's Trainer factory (--trainer): autotune.probe.trainer_check.UserTrainer
     if trainer is not None:
         counts = plan.parameters
+        stored = f" (stored as {counts.describe_dtypes()})" if counts.describe_dtypes() else ""
         console.print(f"  your {trainer.trainer_class.rsplit('.', 1)[-1]} from {trainer.ref.reference}: "
-                      f"{counts.trainable:,} of {counts.total:,} parameters trainable, first batch {plan.seq_len} tokens long", soft_wrap=True)
+                      f"{counts.trainable:,} of {counts.total:,} parameters trainable{stored}, first batch {plan.seq_len} tokens long",
+                      soft_wrap=True)
         if trainer.args_changed:
             console.print(f"warning: {trainer.ref.function} changes TrainingArguments it is given ({', '.join(trainer.args_changed)}): "
                           "the probes measure what your Trainer runs, so those are not tuned", style="yellow", soft_wrap=True)

@@ -20,8 +20,9 @@ Frozen base weights carry no gradient and no optimizer state; the adapters do
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
@@ -85,23 +86,65 @@ class LoraSettings:
                           target_modules=list(self.target_modules) if self.target_modules else None)
 
 
+# Bytes per element of the dtypes a parameter is stored in (torch's names without "torch."); any other: 4.
+DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1, "uint8": 1}
+
+
+def dtype_bytes(name: str) -> int:
+    return DTYPE_BYTES.get(name, 4)
+
+
 @dataclass(frozen=True)
 class ParameterCounts:
     """Parameters of the model as trained: ``total`` = ``trainable`` + frozen (adapters included in total).
 
     ``quantized``: frozen parameters stored in 4 bits (QLoRA's linear layers), 0 otherwise.
+    ``dtypes`` / ``trainable_dtypes``: the other parameters (all / the trainable ones) by the dtype they
+    are stored in, ``{"bfloat16": n, ...}``, as counted on the model the user's factory built; empty when
+    not counted (autotune's own models: float32, the master weights mixed precision expects).
     """
 
     total: int
     trainable: int
     quantized: int = 0
+    dtypes: dict[str, int] = field(default_factory=dict)
+    trainable_dtypes: dict[str, int] = field(default_factory=dict)
 
     @property
     def frozen(self) -> int:
         return self.total - self.trainable
 
-    def to_dict(self) -> dict[str, int]:
-        return {"total": self.total, "trainable": self.trainable, "frozen": self.frozen, "quantized": self.quantized}
+    def stored_bytes(self) -> int | None:
+        """Bytes the parameters that are not quantized take (None: dtypes not counted)."""
+        return sum(n * dtype_bytes(d) for d, n in self.dtypes.items()) if self.dtypes else None
+
+    def trainable_bytes(self) -> int | None:
+        """Bytes the trainable parameters take, and so their gradients (None: dtypes not counted)."""
+        return sum(n * dtype_bytes(d) for d, n in self.trainable_dtypes.items()) if self.dtypes else None
+
+    def fp32_parameters(self) -> int | None:
+        """Parameters stored in float32: the ones autocast copies into 16 bits under mixed precision."""
+        return self.dtypes.get("float32", 0) if self.dtypes else None
+
+    def describe_dtypes(self) -> str:
+        """``1,331,810,304 bfloat16, 1,572,864 float32`` (largest first), or "" when not counted."""
+        parts = sorted(self.dtypes.items(), key=lambda item: -item[1])
+        if self.quantized:
+            parts.append(("4-bit", self.quantized))
+        return ", ".join(f"{n:,} {d}" for d, n in parts) if self.dtypes else ""
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"total": self.total, "trainable": self.trainable, "frozen": self.frozen, "quantized": self.quantized}
+        if self.dtypes:
+            out.update(dtypes=dict(self.dtypes), trainable_dtypes=dict(self.trainable_dtypes))
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ParameterCounts:
+        """From :meth:`to_dict` (or an older record without the dtypes)."""
+        return cls(total=int(data["total"]), trainable=int(data["trainable"]), quantized=int(data.get("quantized") or 0),
+                   dtypes={str(k): int(v) for k, v in (data.get("dtypes") or {}).items()},
+                   trainable_dtypes={str(k): int(v) for k, v in (data.get("trainable_dtypes") or {}).items()})
 
 
 def peft_available() -> bool:
@@ -202,21 +245,29 @@ def linear_layer_names(model: torch.nn.Module) -> list[str]:
 
 
 def count_model_parameters(model: torch.nn.Module, *, quantized: int = 0) -> ParameterCounts:
-    """Total and trainable (``requires_grad``) parameters of a built model, each shared parameter once.
+    """Total and trainable (``requires_grad``) parameters of a built model, each shared parameter once,
+    with the dtypes they are stored in.
 
     A bitsandbytes 4-bit weight (``Params4bit``) packs two values per byte of its storage: it counts
     as the weights it holds, and among ``quantized`` (added to ``quantized``, which a meta-device
-    count passes in).
+    count passes in), not among the dtypes.
     """
     total = trainable = 0
+    dtypes: dict[str, int] = {}
+    trainable_dtypes: dict[str, int] = {}
     for param in {id(p): p for p in model.parameters()}.values():
         n = param.numel()
         if type(param).__name__ == "Params4bit":
             n *= 2 * (param.element_size() if hasattr(param, "element_size") else 1)
             quantized += n
+        else:
+            name = str(param.dtype).removeprefix("torch.")
+            dtypes[name] = dtypes.get(name, 0) + n
+            if param.requires_grad:
+                trainable_dtypes[name] = trainable_dtypes.get(name, 0) + n
         total += n
         trainable += n if param.requires_grad else 0
-    return ParameterCounts(total=total, trainable=trainable, quantized=quantized)
+    return ParameterCounts(total=total, trainable=trainable, quantized=quantized, dtypes=dtypes, trainable_dtypes=trainable_dtypes)
 
 
 def quantizable_parameters(model: torch.nn.Module) -> int:
@@ -262,7 +313,10 @@ def _parameter_counts_cached(spec_json: str, settings: LoraSettings | None) -> P
     if settings is None:
         return count_model_parameters(model)
     quantized = quantizable_parameters(model) if settings.quantized else 0
-    return count_model_parameters(apply_lora(model, settings), quantized=quantized)
+    counts = count_model_parameters(apply_lora(model, settings), quantized=quantized)
+    # On the meta device every weight is float32, the quantized ones too: the memory model's own
+    # assumption (float32, 4-bit weights apart) is the right one, so no dtypes are recorded.
+    return dataclasses.replace(counts, dtypes={}, trainable_dtypes={})
 
 
 # How a QLoRA probe loads its base (autotune.probe.child._build_4bit_model), for the user's script.

@@ -4,6 +4,7 @@ best.json's note, and bad input refused in ``plan_run``."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -13,7 +14,7 @@ import torch
 from autotune import lora
 from autotune.api import _MUST_MATCH, RunOptions, plan_run
 from autotune.errors import EXIT_USAGE, UsageError
-from autotune.lora import LoraSettings, parameter_counts
+from autotune.lora import LoraSettings, ParameterCounts, count_model_parameters, parameter_counts
 from autotune.models import BUILTIN_MODELS, build_model, resolve_model
 from autotune.params import TrialParams
 from autotune.search.memory import ModelDims, static_memory
@@ -87,9 +88,12 @@ def test_tiny_models_train_only_their_adapters(name: str) -> None:
     assert counts.trainable == parameter_counts(spec, settings).trainable == HAND_TRAINABLE[name] // 2
 
 
-def _measured_static_bytes(name: str, settings: LoraSettings | None, optim: str) -> dict[str, int]:
+def _measured_static_bytes(name: str, settings: LoraSettings | None, optim: str, dtype: torch.dtype | None = None,
+                           counted: list | None = None) -> dict[str, int]:
     """Parameter, gradient and optimizer-state bytes after one real Trainer step on the CPU (the optimizer
-    made by the Trainer, as in a probe), then one more backward for the gradients (the Trainer frees them)."""
+    made by the Trainer, as in a probe), then one more backward for the gradients (the Trainer frees them).
+    ``dtype``: the dtype the model is built in (a user's model loaded in bf16); ``counted`` gets the
+    built model's :func:`count_model_parameters`, as a probe of a user's Trainer counts it."""
     from transformers import Trainer
 
     from autotune.probe.child import SyntheticTokens, _wrap_in_adapters, probe_training_arguments
@@ -97,9 +101,11 @@ def _measured_static_bytes(name: str, settings: LoraSettings | None, optim: str)
 
     spec = resolve_model(name)
     params = TrialParams(per_device_train_batch_size=2, optim=optim)
-    model = build_model(spec, attn_implementation="sdpa", device="cpu")
+    model = build_model(spec, attn_implementation="sdpa", device="cpu", dtype=dtype)
     if settings is not None:
         model = _wrap_in_adapters(model, settings, gradient_checkpointing=False)
+    if counted is not None:
+        counted.append(count_model_parameters(model))
     probe = ProbeSpec(model=spec.to_dict(), params=params, seq_len=16)
     import tempfile
 
@@ -134,6 +140,40 @@ def test_static_memory_estimate_matches_what_the_trainer_allocates(optim: str) -
     if optim == "adamw_torch_fused":
         assert measured_full["optimizer"] == 8 * 1_445_376 and measured_lora["optimizer"] == 8 * 8_192
     assert measured_lora["gradients"] == 4 * 8_192 < measured_full["gradients"] == 4 * 1_445_376
+
+
+@pytest.mark.parametrize("optim", ["adamw_torch_fused", "sgd", "adafactor"])
+@pytest.mark.parametrize("lora_on", [False, True], ids=["full", "lora"])
+def test_static_memory_follows_the_dtypes_the_users_model_is_stored_in(optim: str, lora_on: bool) -> None:
+    """A model loaded in bf16 (as users often load theirs): its counted dtypes make the static estimate
+    equal what the Trainer allocates (bf16 weights, and gradients and AdamW/SGD state in the dtype of
+    what is trained: peft keeps the adapters in fp32 on a bf16 base), where the float32 assumption
+    would be about twice too high."""
+    spec = resolve_model("tiny-gptneox")
+    settings = LoraSettings("lora") if lora_on else None
+    counted: list = []
+    measured = _measured_static_bytes("tiny-gptneox", settings, optim, dtype=torch.bfloat16, counted=counted)
+    counts = counted[0]
+    assert counts.dtypes["bfloat16"] == 1_445_376  # the base
+    if lora_on:
+        assert counts.trainable_dtypes == {"float32": 8_192}  # peft upcasts the adapters
+    else:
+        assert counts.trainable_dtypes == {"bfloat16": counts.total}
+    predicted = static_memory(ModelDims.from_spec(spec, counts=counts), "fp32", optim)
+    assert (predicted.weights_bytes, predicted.gradients_bytes) == (measured["weights"], measured["gradients"])
+    if optim != "adafactor":  # Adafactor's factored moments are an estimate (2 / hidden floats per parameter)
+        assert predicted.optimizer_bytes == measured["optimizer"]
+    assumed_fp32 = static_memory(ModelDims.from_spec(spec, counts=dataclasses.replace(counts, dtypes={}, trainable_dtypes={})), "fp32", optim)
+    assert assumed_fp32.weights_bytes > 1.9 * predicted.weights_bytes
+
+
+def test_parameter_counts_round_trip_and_describe_their_dtypes() -> None:
+    counts = ParameterCounts(total=10, trainable=2, quantized=4, dtypes={"bfloat16": 4, "float32": 2}, trainable_dtypes={"float32": 2})
+    assert ParameterCounts.from_dict(counts.to_dict()) == counts
+    assert ParameterCounts.from_dict({"total": 3, "trainable": 1}) == ParameterCounts(3, 1)  # an older record
+    assert counts.describe_dtypes() == "4 bfloat16, 2 float32, 4 4-bit"  # largest first, the quantized last
+    assert (counts.stored_bytes(), counts.trainable_bytes(), counts.fp32_parameters()) == (4 * 2 + 2 * 4, 2 * 4, 2)
+    assert ParameterCounts(3, 1).stored_bytes() is None
 
 
 def test_estimate_prints_the_lora_figures(capsys) -> None:

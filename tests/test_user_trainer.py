@@ -248,6 +248,9 @@ def test_sft_lora_example_is_tuned_end_to_end_and_its_best_arguments_train(
     assert result.trials["tokens_per_s"].notna().all()
     report = (tmp_path / f"{result.study_name}.html").read_text(encoding="utf-8")
     assert f"{format_count(counts['trainable'])} of {format_count(counts['total'])} parameters trainable" in report
+    # The dtypes the factory's model is stored in are counted (they size the memory model) and shown.
+    assert sum(counts["dtypes"].values()) == counts["total"] and sum(counts["trainable_dtypes"].values()) == counts["trainable"]
+    assert "Parameter dtypes" in report and f"{max(counts['dtypes'].values()):,} " in report
     _train_one_step(sft_lora, result.best_training_arguments(), result.best_params["attn_implementation"], tmp_path)
 
 
@@ -268,6 +271,7 @@ def test_custom_collator_example_is_tuned_through_the_cli_and_best_json_trains(
     out = capsys.readouterr().out
     assert code == 0, out
     assert "your Trainer from" in out and "warning" not in out.split("study '")[0]  # no TrainingArguments changed
+    assert "parameters trainable (stored as " in out and " float32)" in out
     study = "custom_collator-make_trainer-seq"
     result = load_result(next(line.split("'")[1] for line in out.splitlines() if line.startswith(f"study '{study}")), storage)
     custom = _example("custom_collator", monkeypatch)

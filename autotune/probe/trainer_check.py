@@ -80,7 +80,7 @@ def inspect_in_child(spec: ProbeSpec) -> dict[str, Any]:
             "config": model_config_dict(trainer.model),
             "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
             "trainer_class": f"{type(trainer).__module__}.{type(trainer).__qualname__}",
-            "parameters": {"total": counts.total, "trainable": counts.trainable, "quantized": counts.quantized},
+            "parameters": counts.to_dict(),
             "seq_len": int(ids.shape[-1]),
             "batch_size": int(batch_sequences(batch)),
             "batch_tokens": int(batch_tokens(batch, pad_token_id(trainer))),
@@ -171,10 +171,9 @@ def inspect_trainer(ref: TrainerRef, *, device: str, device_uuid: str | None, ti
                              f"call {ref.function} yourself to see why")
     if "error" in found:
         raise UsageError(str(found["error"]))
-    sizes = found["parameters"]
     return UserTrainer(
         ref=ref, config=dict(found["config"]), seq_len=int(found["seq_len"]), trainer_class=str(found["trainer_class"]),
-        parameters=ParameterCounts(total=int(sizes["total"]), trainable=int(sizes["trainable"]), quantized=int(sizes.get("quantized", 0))),
+        parameters=ParameterCounts.from_dict(found["parameters"]),
         args_changed=tuple(found.get("args_changed") or ()), supports_sdpa=bool(found.get("supports_sdpa", True)),
         supports_flash=bool(found.get("supports_flash", True)),
     )

@@ -410,6 +410,10 @@ def _summary(result: TuneResult, n_trials: int, counts: dict[str, int]) -> tuple
         sizes = s.get("parameters") or {}
         trained = f" ({format_count(sizes['trainable'])} of {format_count(sizes['total'])} parameters trainable)" if sizes.get("total") else ""
         items.append(("Trainer", f"{s['trainer']}{trained}"))
+        if sizes.get("dtypes"):
+            from autotune.lora import ParameterCounts
+
+            items.append(("Parameter dtypes", ParameterCounts.from_dict(sizes).describe_dtypes()))
     if s.get("peft"):
         from autotune.lora import LoraSettings
 

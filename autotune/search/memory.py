@@ -103,6 +103,12 @@ class ModelDims:
     # 4 bits (QLoRA's base linear layers). num_parameters counts every parameter, adapters included.
     trainable_parameters: int | None = None
     quantized_parameters: int = 0
+    # Storage of the user's model as built (ParameterCounts' dtypes), None when not counted: float32.
+    # parameter_bytes: the parameters that are not quantized; trainable_bytes: the trainable ones (and
+    # so their gradients); fp32_parameters: those autocast copies into 16 bits.
+    parameter_bytes: int | None = None
+    trainable_bytes: int | None = None
+    fp32_parameters: int | None = None
 
     @classmethod
     def from_spec(cls, spec: Any, num_parameters: int | None = None, *, counts: Any = None) -> ModelDims:
@@ -121,7 +127,10 @@ class ModelDims:
         intermediate = config.get("intermediate_size") or config.get("n_inner") or 4 * spec.hidden_size
         return cls(num_parameters, spec.num_layers, spec.hidden_size, spec.num_attention_heads, spec.vocab_size, int(intermediate),
                    trainable_parameters=counts.trainable if counts is not None else None,
-                   quantized_parameters=counts.quantized if counts is not None else 0)
+                   quantized_parameters=counts.quantized if counts is not None else 0,
+                   parameter_bytes=counts.stored_bytes() if counts is not None else None,
+                   trainable_bytes=counts.trainable_bytes() if counts is not None else None,
+                   fp32_parameters=counts.fp32_parameters() if counts is not None else None)
 
     @property
     def trainable(self) -> int:
@@ -156,22 +165,36 @@ def optimizer_state_bytes(optim: str, num_parameters: int, hidden_size: int) -> 
     return int(_DEFAULT_OPTIM_STATE_BYTES * num_parameters)
 
 
+# Optimizers whose state is not kept in the parameters' dtype: bitsandbytes' 8-bit/paged ones, torchao's
+# low-bit ones and Adafactor's factored float32 moments.
+_STATE_NOT_IN_PARAM_DTYPE = ("8bit", "bnb", "4bit", "paged_", "adafactor")
+
+
 def static_memory(dims: ModelDims, precision: str, optim: str) -> StaticMemory:
     """Weights, gradients, optimizer state and CUDA context for one precision and optimizer.
 
     Frozen parameters (a LoRA base) carry no gradient and no optimizer state; only the trainable
-    ones (the adapters) do. QLoRA's quantized base weights take ~0.52 B/param and no autocast copy
+    ones (the adapters) do. Parameters are float32 unless ``dims`` says how the user's model stores
+    them (a base loaded in bf16 takes 2 B per weight and needs no autocast copy). QLoRA's quantized base weights take ~0.52 B/param and no autocast copy
     (bitsandbytes dequantizes them layer by layer into the compute dtype).
     """
     q = dims.quantized_parameters
-    p = dims.num_parameters - q  # held in fp32
+    p = dims.num_parameters - q
     trainable = dims.trainable
-    weights = 4 * p + (2 * p if mixed_precision_dtype(precision) else 0)  # fp32 master + autocast copies
+    stored = 4 * p if dims.parameter_bytes is None else dims.parameter_bytes  # float32 unless counted
+    fp32 = p if dims.fp32_parameters is None else dims.fp32_parameters
+    weights = stored + (2 * fp32 if mixed_precision_dtype(precision) else 0)  # + autocast's 16-bit copies of fp32 weights
     weights += int(q * QLORA_BYTES_PER_QUANTIZED_PARAM)
+    # Gradients have the parameters' dtype (fp32 under AMP too), and so does the state of optimizers
+    # that keep it like the parameter (torch's AdamW, SGD, Lion: zeros_like); 8-bit and factored states do not.
+    gradients = 4 * trainable if dims.trainable_bytes is None else dims.trainable_bytes
+    optimizer = optimizer_state_bytes(optim, trainable, dims.hidden_size)
+    if dims.trainable_bytes is not None and trainable and not any(m in optim for m in _STATE_NOT_IN_PARAM_DTYPE):
+        optimizer = int(optimizer * dims.trainable_bytes / (4 * trainable))
     return StaticMemory(
         weights_bytes=weights,
-        gradients_bytes=4 * trainable,  # gradients have the parameters' dtype: fp32 under AMP too
-        optimizer_bytes=optimizer_state_bytes(optim, trainable, dims.hidden_size),
+        gradients_bytes=gradients,
+        optimizer_bytes=optimizer,
         overhead_bytes=CUDA_CONTEXT_BYTES,
     )
 
