@@ -304,13 +304,35 @@ def test_remeasuring_never_exceeds_the_budget(fake_gpu, budget_s) -> None:
 
 
 def test_budget_reserves_time_for_the_near_ties(fake_gpu) -> None:
-    # 30 s probes, 150 s: two tied probes (60 s) reserve 60 s; a third (90 s) leaves exactly the
-    # reserve for two re-measures, so a fourth exploring probe is not started.
+    # 30 s probes, 120 s: the time kept for near-ties is one typical probe (more than 10% of the
+    # budget): three exploring probes (90 s), then the 30 s kept re-measure the best of the ties.
     fake = NoisyEvaluator({b: [100.0, 100.0] for b in (8, 16, 32, 64)})
-    study, outcome = _search(fake_gpu, fake, budget_s=150.0, min_probe_s=1.0)
+    study, outcome = _search(fake_gpu, fake, budget_s=120.0, min_probe_s=1.0)
     assert outcome.stopped_because == "budget"
-    assert len(fake.calls) == 5 and outcome.remeasures == 2
-    assert fake.clock.now() == 150.0
+    assert len(fake.calls) == 4 and outcome.remeasures == 1
+    assert fake.clock.now() == 120.0
+    # 1,000 s: 10% of it (100 s) is kept, three re-measures; the rest explores (all four batches).
+    fake = NoisyEvaluator({b: [100.0, 100.0] for b in (8, 16, 32, 64)})
+    study, outcome = _search(fake_gpu, fake, budget_s=1000.0, min_probe_s=1.0)
+    assert outcome.probes_run - outcome.remeasures == 4 and outcome.remeasures == 3
+
+
+def test_long_near_tie_probes_do_not_stop_exploring(fake_gpu) -> None:
+    """A near-tie whose re-measure would take more than a tenth of the budget (and more than a typical
+    probe) keeps no time from exploring: deciding a tie within noise is worth less than the probes it
+    would cost; a re-measure still runs if time is left at the end."""
+    import dataclasses
+
+    from autotune.search.loop import REMEASURE_RESERVE_FRACTION, _remeasure_cost_s
+
+    fake = NoisyEvaluator({8: [100.0, 100.0], 16: [100.5, 100.5]})
+    study, _ = _search(fake_gpu, fake, n_trials=2)
+    contenders = ranked_configurations(study, 40 * GiB)
+    long_ties = [dataclasses.replace(c, wall_s=300.0) for c in contenders]
+    budget_s = 1800.0
+    keep_s = max(REMEASURE_RESERVE_FRACTION * budget_s, 90.0)
+    assert _remeasure_cost_s(long_ties, 90.0, keep_s, 1.0) == 0.0
+    assert _remeasure_cost_s(long_ties, 90.0, 1800.0, 1.0) == 600.0  # the old rule kept 600 s of 1,800
 
 
 def test_no_remeasure_without_a_near_tie(fake_gpu) -> None:
