@@ -419,7 +419,7 @@ def run_search(
             reserve_s = 0.0
             if deadline_s is not None:
                 contenders = _to_remeasure(studies.probes_in(trials), settings.memory_ceiling_bytes)
-                keep_s = max(REMEASURE_RESERVE_FRACTION * settings.budget_s, typical_s)
+                keep_s = max(REMEASURE_RESERVE_FRACTION * (settings.budget_s or 0.0), typical_s)
                 reserve_s = _remeasure_cost_s(contenders, typical_s, min(remaining_s, keep_s), settings.min_probe_s)
             if remaining_s - reserve_s < max(settings.min_probe_s, typical_s):
                 outcome.stopped_because = "budget"
