@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint install browser postgres clean wheelhouse gpu-check
+.PHONY: demo test lint install browser postgres clean wheelhouse wheelhouse-qlora gpu-check
 
 install: $(STAMP)
 
@@ -64,6 +64,11 @@ postgres:
 WHEEL_PYTHON ?= 3.12
 wheelhouse: $(STAMP)
 	$(PY) -m bench.wheelhouse --dest wheelhouse --python-version $(WHEEL_PYTHON)
+
+# The same, plus bitsandbytes unpacked into wheelhouse/bnb_site (only its CPU and CUDA 13 libraries,
+# 8 MiB) for --peft qlora and the 8-bit optimizers: bench/gpu_peft_studies.sh puts it on PYTHONPATH.
+wheelhouse-qlora: $(STAMP)
+	$(PY) -m bench.wheelhouse --dest wheelhouse --python-version $(WHEEL_PYTHON) --bitsandbytes
 
 # The GPU acceptance run (bench/gpu_acceptance.py): every GPU check on the first visible GPU, at most
 # 25 minutes, into reports/gpu/<device>-<date>/. It uses the interpreter it finds (a GPU image's

@@ -4,7 +4,8 @@
 #   bash bench/gpu_peft_studies.sh DIR [BUDGET]        (BUDGET per study, default 4m)
 # MODEL, SEQ_LEN and METHODS (default "lora qlora") change what is run.
 # The wheels a CUDA image lacks come from wheelhouse/ (make wheelhouse); bitsandbytes (QLoRA) from
-# BNB_SITE when set (an unpacked wheel on PYTHONPATH), else what is installed.
+# BNB_SITE (an unpacked wheel put on PYTHONPATH; default wheelhouse/bnb_site, from make wheelhouse-qlora)
+# when it exists, else what is installed.
 set -u
 dir=${1:?usage: bench/gpu_peft_studies.sh DIR [BUDGET]}
 budget=${2:-4m}
@@ -12,7 +13,8 @@ mkdir -p "$dir"
 python -c "import bench.gpu_acceptance as g; g.ensure_dependencies()" || exit 2
 # ensure_dependencies installs into the environment when it can, else into wheelhouse/site
 if [ -d wheelhouse/site ]; then export PYTHONPATH="$PWD/wheelhouse/site${PYTHONPATH:+:$PYTHONPATH}"; fi
-if [ -n "${BNB_SITE:-}" ]; then export PYTHONPATH="$BNB_SITE${PYTHONPATH:+:$PYTHONPATH}"; fi
+BNB_SITE=${BNB_SITE:-$PWD/wheelhouse/bnb_site}
+if [ -d "$BNB_SITE" ]; then export PYTHONPATH="$BNB_SITE${PYTHONPATH:+:$PYTHONPATH}"; fi
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$dir/nvidia-smi.csv" 2>&1
 python - > "$dir/versions.txt" 2>&1 <<'PY'

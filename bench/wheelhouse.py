@@ -14,6 +14,12 @@ Versions are those installed in the running environment where it has them (they 
 together, so they agree), else the newest that pip finds. Every distribution ends up with exactly
 one wheel; a requirement that a chosen version does not satisfy is reported. pyarrow is left out:
 only ``--dataset x.parquet`` needs it.
+
+``--bitsandbytes`` (``make wheelhouse-qlora``) also unpacks bitsandbytes, for ``--peft qlora`` and the
+8-bit optimizers, into ``wheelhouse/bnb_site`` (put it on ``PYTHONPATH``; ``bench/gpu_peft_studies.sh``
+does): its wheel carries a library per CUDA and ROCm version (43 MiB), which with the wheels above
+would pass the 64 MiB a device call may carry, so only the CPU library and those of the image's
+CUDA major version (``--cuda``, default 13: torch 2.11's) are kept, 8 MiB.
 """
 
 from __future__ import annotations
@@ -132,10 +138,50 @@ def build(dest: Path, python_version: str) -> dict[str, Path]:
     return {n: paths[0] for n, paths in have.items()}
 
 
+BNB_SITE = "bnb_site"  # in the wheelhouse: an unpacked bitsandbytes, for PYTHONPATH
+
+
+def unpack_bitsandbytes(wheel: Path, site: Path, cuda_major: int) -> list[str]:
+    """Unpack the bitsandbytes ``wheel`` into ``site`` with only the native libraries for the CPU and
+    CUDA ``cuda_major``.x; returns the libraries kept. bitsandbytes loads ``libbitsandbytes_cuda<XY>``
+    for the CUDA torch was built with, so the others are dead weight on that image."""
+    keep = re.compile(rf"libbitsandbytes_(cpu|cuda{cuda_major}\d)\.\w+$")
+    kept = []
+    with zipfile.ZipFile(wheel) as archive:
+        for member in archive.namelist():
+            name = member.rsplit("/", 1)[-1]
+            if name.startswith("libbitsandbytes_") and not keep.search(name):
+                continue
+            archive.extract(member, site)
+            if name.startswith("libbitsandbytes_"):
+                kept.append(name)
+    return sorted(kept)
+
+
+def bitsandbytes_site(dest: Path, python_version: str, cuda_major: int) -> Path:
+    """Download bitsandbytes (the installed version where there is one) and unpack it, slimmed, into ``dest/bnb_site``."""
+    import shutil
+    import tempfile
+
+    site = dest / BNB_SITE
+    shutil.rmtree(site, ignore_errors=True)
+    with tempfile.TemporaryDirectory() as folder:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check", "--no-deps",
+                        "--only-binary=:all:", "--python-version", python_version, "--platform", "manylinux_2_24_x86_64",
+                        "-d", folder, pinned("bitsandbytes")], check=True)
+        wheel = next(Path(folder).glob("bitsandbytes-*.whl"))
+        kept = unpack_bitsandbytes(wheel, site, cuda_major)
+    if not any("cuda" in name for name in kept):
+        raise SystemExit(f"{wheel.name} has no library for CUDA {cuda_major}.x: pick another --cuda, or another bitsandbytes")
+    return site
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dest", default="wheelhouse", type=Path)
     parser.add_argument("--python-version", default="3.12", help="of the GPU image's interpreter (default 3.12)")
+    parser.add_argument("--bitsandbytes", action="store_true", help="also unpack bitsandbytes (QLoRA, 8-bit optimizers) into DEST/bnb_site")
+    parser.add_argument("--cuda", type=int, default=13, help="with --bitsandbytes: the CUDA major version torch was built with there (default 13)")
     args = parser.parse_args(argv)
     if not re.fullmatch(r"3\.\d+", args.python_version):
         parser.error("--python-version is MAJOR.MINOR, e.g. 3.12")
@@ -146,6 +192,10 @@ def main(argv: list[str] | None = None) -> int:
         total += size
         print(f"{size / 2**20:8.2f} MiB  {wheels[name].name}")
     print(f"{len(wheels)} wheels, {total / 2**20:.1f} MiB in {args.dest}/ (left to the image: {', '.join(sorted(IMAGE_PROVIDES))})")
+    if args.bitsandbytes:
+        site = bitsandbytes_site(args.dest, args.python_version, args.cuda)
+        size = sum(f.stat().st_size for f in site.rglob("*") if f.is_file())
+        print(f"bitsandbytes unpacked into {site}/ ({size / 2**20:.1f} MiB): PYTHONPATH={site} on the GPU machine")
     return 0
 
 

@@ -244,3 +244,24 @@ def test_landscape_cut_short_writes_the_complete_half_and_goes_on_later(tmp_path
     again = gpu_phases.phase_landscape(ctx)
     assert again.data["status"] == "ok" and again.data["resumed"] == 4 and again.data["table_rows"] == 8
     assert {p.torch_compile for p in probed} == {"inductor"} and len(probed) == 4
+
+
+def test_bitsandbytes_is_unpacked_with_only_the_cpu_and_one_cuda_major(tmp_path: Path) -> None:
+    """bitsandbytes' wheel carries a library per CUDA/ROCm version; the carried copy keeps the CPU one
+    and those of the image's CUDA major (a device call carries at most 64 MiB)."""
+    import zipfile
+
+    from bench.wheelhouse import unpack_bitsandbytes
+
+    wheel = tmp_path / "bitsandbytes-0.50.2-py3-none-manylinux_2_24_x86_64.whl"
+    libraries = ["cpu", "cuda118", "cuda128", "cuda130", "cuda132", "rocm64", "xpu2025"]
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr("bitsandbytes/__init__.py", "")
+        archive.writestr("bitsandbytes-0.50.2.dist-info/METADATA", "Name: bitsandbytes\n")
+        for lib in libraries:
+            archive.writestr(f"bitsandbytes/libbitsandbytes_{lib}.so", b"\0" * 16)
+    kept = unpack_bitsandbytes(wheel, tmp_path / "site", cuda_major=13)
+    assert kept == ["libbitsandbytes_cpu.so", "libbitsandbytes_cuda130.so", "libbitsandbytes_cuda132.so"]
+    assert sorted(p.name for p in (tmp_path / "site" / "bitsandbytes").glob("*.so")) == kept
+    assert (tmp_path / "site" / "bitsandbytes" / "__init__.py").exists()
+    assert (tmp_path / "site" / "bitsandbytes-0.50.2.dist-info" / "METADATA").exists()
