@@ -564,10 +564,15 @@ def execute(
         if on_start:
             on_start(number, params)
 
-    outcome = run_search(
-        study, plan.space, evaluator, settings, baseline=plan.baseline, on_trial=on_trial, on_start=started,
-        strategy=make_strategy(plan.strategy), memory=memory, started_s=started_s,
-    )
+    try:
+        outcome = run_search(
+            study, plan.space, evaluator, settings, baseline=plan.baseline, on_trial=on_trial, on_start=started,
+            strategy=make_strategy(plan.strategy), memory=memory, started_s=started_s,
+        )
+    finally:
+        close = getattr(evaluator, "close", None)
+        if close is not None:
+            close()  # files the probes shared (a QLoRA base checkpoint: gigabytes) go now, not at exit
     studies.record_stop(study, outcome.stopped_because)
     return outcome
 

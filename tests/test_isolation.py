@@ -361,3 +361,19 @@ def test_the_server_imports_bitsandbytes_with_the_capability_from_nvml(monkeypat
     monkeypatch.setattr(builtins, "__import__", real_import)
     assert asked == [(9, 0)]
     assert torch.cuda.get_device_capability is original and not torch.cuda.is_initialized()
+
+
+def test_a_finished_run_removes_its_run_cache(tmp_path, monkeypatch) -> None:
+    """The evaluator's close (called when the search ends, Ctrl-C included) removes the shared files
+    at once: an API caller's process lives on; the next run gets a fresh folder."""
+    from autotune.probe import isolation
+    from autotune.probe.evaluator import ProbeEvaluator
+
+    monkeypatch.setattr(isolation.tempfile, "gettempdir", lambda: str(tmp_path))
+    isolation._run_cache.pop(None, None)
+    cache = isolation.run_cache_dir()
+    (cache / "qlora-base-x").mkdir()
+    ProbeEvaluator(model=resolve_model("tiny-gptneox").to_dict(), seq_len=16, device="cpu").close()
+    assert not cache.exists()
+    assert isolation.run_cache_dir() == cache and cache.is_dir() and not any(cache.iterdir())
+    isolation.clear_run_cache()

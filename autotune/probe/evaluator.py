@@ -13,7 +13,15 @@ from typing import Any
 
 from autotune.params import TrialParams
 from autotune.probe.interference import interference
-from autotune.probe.isolation import DEFAULT_MODE, IsolationMode, OrphanedProbe, orphaned_probes, run_isolated, start_server
+from autotune.probe.isolation import (
+    DEFAULT_MODE,
+    IsolationMode,
+    OrphanedProbe,
+    clear_run_cache,
+    orphaned_probes,
+    run_isolated,
+    start_server,
+)
 from autotune.records import ProbeResult, ProbeSpec
 
 # torch.compile compiles on the first step and may recompile on the second (optimizer, grad
@@ -70,6 +78,10 @@ class ProbeEvaluator:
         """Start the probe server now (once per process), so the run's budget, not its first probe, pays for it."""
         if self.mode == "forkserver":
             start_server()
+
+    def close(self) -> None:
+        """The run is over: remove what its probes shared (:func:`autotune.probe.isolation.run_cache_dir`)."""
+        clear_run_cache()
 
     def label_trial(self, number: int) -> None:
         """The trial the next probe measures (the loop's ``on_start``), for its folder's note."""

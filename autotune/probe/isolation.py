@@ -426,6 +426,14 @@ def run_cache_dir(root: str | None = None) -> Path:
     return _run_cache[root]
 
 
+def clear_run_cache(root: str | None = None) -> None:
+    """Remove this driver's run cache now (the end of a run: an API caller's process may live on and
+    run again; the next probe creates a fresh one)."""
+    folder = _run_cache.pop(root, None)
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def _remove_dead_run_caches(base: Path) -> None:
     for folder in base.glob(RUN_CACHE_PREFIX + "*"):
         match = _RUN_CACHE_DIR.match(folder.name)
