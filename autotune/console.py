@@ -119,7 +119,8 @@ def print_header(console: Console, plan: Any, resumed: int) -> None:
     trainer = getattr(plan, "trainer", None)  # a user's Trainer factory (--trainer): autotune.probe.trainer_check.UserTrainer
     if trainer is not None:
         counts = plan.parameters
-        stored = f" (stored as {counts.describe_dtypes()})" if counts.describe_dtypes() else ""
+        dtypes = counts.describe_dtypes()
+        stored = f" (stored as {dtypes})" if dtypes else ""
         console.print(f"  your {trainer.trainer_class.rsplit('.', 1)[-1]} from {trainer.ref.reference}: "
                       f"{counts.trainable:,} of {counts.total:,} parameters trainable{stored}, first batch {plan.seq_len} tokens long",
                       soft_wrap=True)

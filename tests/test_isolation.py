@@ -324,18 +324,17 @@ def test_the_server_imports_bitsandbytes_with_the_capability_from_nvml(monkeypat
 
     from autotune.probe import device as preload
 
-    fake = types.SimpleNamespace(
-        nvmlInit=lambda: None,
-        nvmlDeviceGetHandleByUUID=lambda uuid: ("uuid", uuid),
-        nvmlDeviceGetHandleByIndex=lambda index: ("index", index),
-        nvmlDeviceGetCudaComputeCapability=lambda handle: (9, 0) if handle == ("uuid", "GPU-b") else (8, 6),
-    )
+    # Four GPUs, the one at NVML index 1 a Hopper, the others Ampere; the device is found as CUDA
+    # numbers the visible ones (device.resolve_gpu): by UUID or index in CUDA_VISIBLE_DEVICES.
+    fake = FakeNvml().module()
+    fake.nvmlDeviceGetCudaComputeCapability = lambda handle: (9, 0) if handle[1] == 1 else (8, 6)
     monkeypatch.setitem(sys.modules, "pynvml", fake)
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-a,GPU-b")
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", f"{gpu_uuid(2)},{gpu_uuid(1)}")
     assert preload.nvml_compute_capability(types.SimpleNamespace(idx=1)) == (9, 0)
     assert preload.nvml_compute_capability(0) == (8, 6)
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
-    assert preload.nvml_compute_capability(None) == (8, 6)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert preload.nvml_compute_capability(None) == (9, 0)
 
     asked = []
     module = types.ModuleType("bitsandbytes")
@@ -356,7 +355,7 @@ def test_the_server_imports_bitsandbytes_with_the_capability_from_nvml(monkeypat
     real_import = builtins.__import__
     monkeypatch.setattr(importlib.util, "find_spec", find_spec)
     monkeypatch.setattr(builtins, "__import__", fake_import)
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-a,GPU-b")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", f"{gpu_uuid(2)},{gpu_uuid(1)}")
     preload.import_bitsandbytes_without_cuda()
     monkeypatch.setattr(builtins, "__import__", real_import)
     assert asked == [(9, 0)]

@@ -151,3 +151,16 @@ def test_cache_emptying_and_dataloader_settings_do_not_move_modelled_memory() ->
     for other in (base.replace(torch_empty_cache_steps=4), base.replace(dataloader_pin_memory=False),
                   base.replace(dataloader_prefetch_factor=4, dataloader_persistent_workers=True)):
         assert predict_peak_bytes(DIMS, other, 64) == predict_peak_bytes(DIMS, base, 64)
+
+
+def test_optimizer_state_follows_the_parameters_dtype_only_for_torchs_optimizers() -> None:
+    """torch's AdamW/SGD/RMSprop allocate their state like the parameter (halved for bf16 ones);
+    bitsandbytes keeps its 32-bit states in float32 and its 8-bit ones in bytes, whatever the parameter."""
+    from autotune.search.memory import optimizer_state_bytes
+
+    n, bf16_bytes = 1000, 2 * 1000
+    assert optimizer_state_bytes("adamw_torch_fused", n, 64, bf16_bytes) == optimizer_state_bytes("adamw_torch_fused", n, 64) // 2 == 4 * n
+    assert optimizer_state_bytes("rmsprop", n, 64, bf16_bytes) == 2 * n
+    for bnb in ("lion_32bit", "paged_adamw_32bit", "rmsprop_bnb", "ademamix", "adamw_bnb_8bit", "paged_lion_8bit"):
+        assert optimizer_state_bytes(bnb, n, 64, bf16_bytes) == optimizer_state_bytes(bnb, n, 64), bnb
+    assert optimizer_state_bytes("adafactor", n, 64, bf16_bytes) == optimizer_state_bytes("adafactor", n, 64)

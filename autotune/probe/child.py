@@ -537,8 +537,7 @@ def run_probe(spec: ProbeSpec) -> ProbeResult:
             model, counts, model_build_s, flops_per_token = _build_model(spec, cuda)
         callback = _make_callback(spec, cuda)
         total_steps = spec.warmup_steps + callback.step_budget
-        scratch = os.environ.get("AUTOTUNE_PROBE_SCRATCH")  # the parent's per-probe folder (isolation.SCRATCH_ENV)
-        with tempfile.TemporaryDirectory(prefix="autotune-probe-out-", dir=scratch if scratch and os.path.isdir(scratch) else None) as output_dir:
+        with tempfile.TemporaryDirectory(prefix="autotune-probe-out-", dir=_env_folder("AUTOTUNE_PROBE_SCRATCH")) as output_dir:
             args = probe_training_arguments(spec, output_dir, total_steps, cuda)
             if spec.trainer is not None:  # the user's own model, data and Trainer, from their factory
                 from autotune.probe.user_trainer import build_trainer
@@ -668,6 +667,13 @@ def _build_4bit_model(model_spec: Any, params: Any, spec: ProbeSpec) -> Any:
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
 
 
+def _env_folder(name: str) -> str | None:
+    """The folder the parent names in ``$name`` (isolation.SCRATCH_ENV: this probe's scratch;
+    isolation.RUN_CACHE_ENV: what the run's probes share), or None when unset or gone."""
+    folder = os.environ.get(name)
+    return folder if folder and os.path.isdir(folder) else None
+
+
 @contextmanager
 def qlora_base_checkpoint(model_spec: Any) -> Iterator[Path]:
     """A folder holding ``model_spec`` with random weights saved in bf16, for a 4-bit load.
@@ -690,10 +696,9 @@ def qlora_base_checkpoint(model_spec: Any) -> Iterator[Path]:
         build_model(model_spec, attn_implementation=None, device="cpu", dtype=torch.bfloat16).save_pretrained(folder)
         print(f"autotune: QLoRA base built and saved in {time.perf_counter() - save_start_s:.1f}s", file=sys.stderr)
 
-    cache = os.environ.get("AUTOTUNE_RUN_CACHE")
-    if not cache or not os.path.isdir(cache):
-        scratch = os.environ.get("AUTOTUNE_PROBE_SCRATCH")
-        with tempfile.TemporaryDirectory(prefix="autotune-qlora-base-", dir=scratch if scratch and os.path.isdir(scratch) else None) as folder:
+    cache = _env_folder("AUTOTUNE_RUN_CACHE")
+    if cache is None:
+        with tempfile.TemporaryDirectory(prefix="autotune-qlora-base-", dir=_env_folder("AUTOTUNE_PROBE_SCRATCH")) as folder:
             save(folder)
             yield Path(folder)
         return

@@ -395,17 +395,19 @@ def is_out_of_memory(exc: BaseException, *, cuda: bool = False) -> bool:
 
 def nvml_compute_capability(device: object = None) -> tuple[int, int]:
     """``torch.cuda.get_device_capability`` read from NVML, which does not initialise CUDA: the GPU
-    by its visible index (``CUDA_VISIBLE_DEVICES`` as indices or UUIDs, else NVML's order)."""
+    ``device`` (a ``torch.cuda.device``, an index or None: 0) means to this process (:func:`resolve_gpu`)."""
     import pynvml
 
     index = getattr(device, "idx", device)
-    index = 0 if index is None else int(index)
     pynvml.nvmlInit()
-    visible = [entry.strip() for entry in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if entry.strip()]
-    entry = visible[index] if index < len(visible) else str(index)
-    handle = (pynvml.nvmlDeviceGetHandleByUUID(entry) if entry.startswith(("GPU-", "MIG-"))
-              else pynvml.nvmlDeviceGetHandleByIndex(int(entry)))
-    major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
+    try:
+        gpu = resolve_gpu(pynvml, 0 if index is None else int(index), os.environ.get("CUDA_VISIBLE_DEVICES"),
+                          os.environ.get("CUDA_DEVICE_ORDER"))
+        if gpu is None:
+            raise RuntimeError("CUDA_VISIBLE_DEVICES hides every GPU")
+        major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(gpu.parent_handle)
+    finally:
+        pynvml.nvmlShutdown()
     return int(major), int(minor)
 
 

@@ -421,7 +421,6 @@ def run_cache_dir(root: str | None = None) -> Path:
     if root not in _run_cache:
         folder = Path(root or tempfile.gettempdir()) / f"{RUN_CACHE_PREFIX}{os.getpid()}"
         folder.mkdir(parents=True, exist_ok=True)
-        atexit.register(shutil.rmtree, folder, ignore_errors=True)
         _run_cache[root] = folder
     return _run_cache[root]
 
@@ -432,6 +431,13 @@ def clear_run_cache(root: str | None = None) -> None:
     folder = _run_cache.pop(root, None)
     if folder is not None:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@atexit.register
+def _clear_run_caches() -> None:
+    """At exit: the run caches this process still holds (a run that ended cleared its own)."""
+    for root in list(_run_cache):
+        clear_run_cache(root)
 
 
 def _remove_dead_run_caches(base: Path) -> None:

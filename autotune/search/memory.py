@@ -44,24 +44,29 @@ from autotune.records import ProbeResult, ProbeStatus
 
 GiB = 2**30
 
-# Bytes per parameter of optimizer state, by substring of the TrainingArguments optim name (first match).
-# Adafactor is handled apart (factored second moment, no first moment by default).
+# Bytes per parameter of optimizer state, by substring of the TrainingArguments optim name (first match),
+# for float32 parameters, and whether the state is kept in the parameters' dtype (torch's optimizers
+# allocate it like the parameter, so it halves for bf16 ones) or in its own (bitsandbytes' 8-bit and
+# 32-bit states, torchao's low-bit ones). Adafactor is handled apart (factored second moment, no first
+# moment by default, float32).
 # Paged optimizers (paged_adamw_8bit, paged_adamw_32bit, paged_lion_*, paged_ademamix_*: bitsandbytes)
 # keep their state in CUDA unified memory, which the driver pages out to host memory only under
 # memory pressure: they are modelled as their 8-bit or 32-bit state on the device, the peak when
 # nothing is paged out (a probe that pages shows it in its measured peak and speed).
-_OPTIM_STATE_BYTES: tuple[tuple[str, float], ...] = (
-    ("4bit", 1.0),
-    ("lion_8bit", 1.0),  # one 1-byte moment
-    ("rmsprop_bnb_8bit", 1.0),  # one 1-byte moment
-    ("ademamix_8bit", 3.0),  # three 1-byte states
-    ("8bit", 2.0),  # two 1-byte moments (+ block-wise scales, negligible): adamw_8bit, adamw_bnb_8bit, adamw_torch_8bit
-    ("lion", 4.0),  # one moment
-    ("sgd", 0.0),  # TrainingArguments' sgd has no momentum by default
-    ("adagrad", 4.0),
-    ("rmsprop", 4.0),
-    ("ademamix", 12.0),  # two EMAs of the gradient + second moment
-    ("adam", 8.0),  # adamw_torch, adamw_torch_fused, adamw_hf, adamw_apex_fused...
+_OPTIM_STATE_BYTES: tuple[tuple[str, float, bool], ...] = (
+    ("4bit", 1.0, False),
+    ("lion_8bit", 1.0, False),  # one 1-byte moment
+    ("rmsprop_bnb_8bit", 1.0, False),  # one 1-byte moment
+    ("ademamix_8bit", 3.0, False),  # three 1-byte states
+    ("8bit", 2.0, False),  # two 1-byte moments (+ block-wise scales, negligible): adamw_8bit, adamw_bnb_8bit, adamw_torch_8bit
+    ("lion", 4.0, False),  # one float32 moment: transformers takes every Lion from bitsandbytes
+    ("sgd", 0.0, True),  # TrainingArguments' sgd has no momentum by default
+    ("adagrad", 4.0, True),
+    ("rmsprop_bnb", 4.0, False),  # bitsandbytes' 32-bit RMSprop
+    ("rmsprop", 4.0, True),
+    ("ademamix", 12.0, False),  # two EMAs of the gradient + second moment, float32 (bitsandbytes)
+    ("paged_adamw_32bit", 8.0, False),  # bitsandbytes' float32 moments
+    ("adam", 8.0, True),  # adamw_torch, adamw_torch_fused, adamw_hf, adamw_apex_fused...
 )
 _DEFAULT_OPTIM_STATE_BYTES = 8.0
 # Device memory a training process uses outside the caching allocator, as NVML sees it. The context
@@ -152,22 +157,20 @@ class StaticMemory:
         return self.weights_bytes + self.gradients_bytes + self.optimizer_bytes + self.overhead_bytes
 
 
-def optimizer_state_bytes(optim: str, num_parameters: int, hidden_size: int) -> int:
-    """Bytes of optimizer state for ``num_parameters`` parameters."""
+def optimizer_state_bytes(optim: str, num_parameters: int, hidden_size: int, parameter_bytes: float | None = None) -> int:
+    """Bytes of optimizer state for ``num_parameters`` parameters taking ``parameter_bytes`` in all
+    (None: float32), which sizes the state of optimizers that keep it in the parameters' dtype."""
     if "adafactor" in optim:
         # Factored second moment: one row and one column vector per matrix, ~ (rows + cols) floats
         # for rows x cols entries; with matrices about hidden_size wide that is ~ 2/hidden_size
         # floats per parameter (Shazeer & Stern 2018, sec. 3).
         return int(4 * num_parameters * 2 / max(hidden_size, 1))
-    for marker, per_param in _OPTIM_STATE_BYTES:
-        if marker in optim:
-            return int(per_param * num_parameters)
-    return int(_DEFAULT_OPTIM_STATE_BYTES * num_parameters)
-
-
-# Optimizers whose state is not kept in the parameters' dtype: bitsandbytes' 8-bit/paged ones, torchao's
-# low-bit ones and Adafactor's factored float32 moments.
-_STATE_NOT_IN_PARAM_DTYPE = ("8bit", "bnb", "4bit", "paged_", "adafactor")
+    per_param, like_parameter = next(((b, like) for marker, b, like in _OPTIM_STATE_BYTES if marker in optim),
+                                     (_DEFAULT_OPTIM_STATE_BYTES, True))
+    state = per_param * num_parameters
+    if like_parameter and parameter_bytes is not None and num_parameters:
+        state *= parameter_bytes / (4 * num_parameters)
+    return int(state)
 
 
 def static_memory(dims: ModelDims, precision: str, optim: str) -> StaticMemory:
@@ -175,8 +178,9 @@ def static_memory(dims: ModelDims, precision: str, optim: str) -> StaticMemory:
 
     Frozen parameters (a LoRA base) carry no gradient and no optimizer state; only the trainable
     ones (the adapters) do. Parameters are float32 unless ``dims`` says how the user's model stores
-    them (a base loaded in bf16 takes 2 B per weight and needs no autocast copy). QLoRA's quantized base weights take ~0.52 B/param and no autocast copy
-    (bitsandbytes dequantizes them layer by layer into the compute dtype).
+    them (a base loaded in bf16 takes 2 B per weight and needs no autocast copy). QLoRA's quantized
+    base weights take ~0.52 B/param and no autocast copy (bitsandbytes dequantizes them layer by
+    layer into the compute dtype).
     """
     q = dims.quantized_parameters
     p = dims.num_parameters - q
@@ -185,16 +189,12 @@ def static_memory(dims: ModelDims, precision: str, optim: str) -> StaticMemory:
     fp32 = p if dims.fp32_parameters is None else dims.fp32_parameters
     weights = stored + (2 * fp32 if mixed_precision_dtype(precision) else 0)  # + autocast's 16-bit copies of fp32 weights
     weights += int(q * QLORA_BYTES_PER_QUANTIZED_PARAM)
-    # Gradients have the parameters' dtype (fp32 under AMP too), and so does the state of optimizers
-    # that keep it like the parameter (torch's AdamW, SGD, Lion: zeros_like); 8-bit and factored states do not.
+    # Gradients have the parameters' dtype (fp32 under AMP too), and so does the state of torch's optimizers.
     gradients = 4 * trainable if dims.trainable_bytes is None else dims.trainable_bytes
-    optimizer = optimizer_state_bytes(optim, trainable, dims.hidden_size)
-    if dims.trainable_bytes is not None and trainable and not any(m in optim for m in _STATE_NOT_IN_PARAM_DTYPE):
-        optimizer = int(optimizer * dims.trainable_bytes / (4 * trainable))
     return StaticMemory(
         weights_bytes=weights,
         gradients_bytes=gradients,
-        optimizer_bytes=optimizer,
+        optimizer_bytes=optimizer_state_bytes(optim, trainable, dims.hidden_size, dims.trainable_bytes),
         overhead_bytes=CUDA_CONTEXT_BYTES,
     )
 
