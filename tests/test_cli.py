@@ -230,3 +230,10 @@ def test_spaces_lists_every_knob_with_its_values(capsys) -> None:
     assert re.search(r"^  use_liger_kernel +false, true$", default, re.M)
     assert re.search(r"^  torch_empty_cache_steps +null  \(fixed\)$", default, re.M)
     assert re.search(r"^  dataloader_pin_memory +true  \(fixed\)$", default, re.M)
+
+
+def test_python_dash_m_autotune_is_the_command() -> None:
+    """``python -m autotune`` runs the CLI from a checkout that is not installed (a GPU image)."""
+    done = subprocess.run([sys.executable, "-m", "autotune", "run", "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "usage: autotune run" in done.stdout and "--budget" in done.stdout
