@@ -425,9 +425,17 @@ class FamilyEvaluator:
     clock: VirtualClock = field(default_factory=VirtualClock)
     probes: int = 0
     oom_probes: int = 0
+    log: list[tuple[float, TrialParams, ProbeResult]] | None = None  # (virtual start s, configuration, result) per probe, if a list is given
     _repeats: dict[tuple[Any, ...], int] = field(default_factory=dict)
 
     def evaluate(self, params: TrialParams, *, timeout_s: float) -> ProbeResult:
+        started_s = self.clock.now()
+        result = self._evaluate(params, timeout_s=timeout_s)
+        if self.log is not None:
+            self.log.append((started_s, params, result))
+        return result
+
+    def _evaluate(self, params: TrialParams, *, timeout_s: float) -> ProbeResult:
         out = self.landscape.noise_free(params)
         status_code = int(out.status[0])
         probe_s = float(out.probe_s[0])

@@ -124,8 +124,9 @@ def print_table(summary: dict[str, Any], budget_s: float) -> None:
 # ---------------------------------------------------------------------- the family
 
 
-def family_search(strategy: str, draw: int, budget_s: float, seed: int) -> dict[str, Any]:
-    """One search on one drawn landscape; the found configuration scored noise-free."""
+def family_search(strategy: str, draw: int, budget_s: float, seed: int, log: list[Any] | None = None) -> dict[str, Any]:
+    """One search on one drawn landscape; the found configuration scored noise-free. ``log``, if
+    given, receives ``(virtual start s, configuration, result)`` per probe (``bench.trace``)."""
     import optuna
 
     from autotune.search.loop import SearchSettings, ranked_configurations, run_search
@@ -135,7 +136,7 @@ def family_search(strategy: str, draw: int, budget_s: float, seed: int) -> dict[
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     landscape = _landscape(draw)
     true_params, true_sps = landscape.true_best()
-    evaluator = FamilyEvaluator(landscape)
+    evaluator = FamilyEvaluator(landscape, log=log)
     chosen = make_strategy(strategy)
     study = optuna.create_study(direction="maximize", sampler=chosen.sampler(seed))
     settings = SearchSettings(memory_ceiling_bytes=landscape.ceiling_bytes, budget_s=budget_s, seed=seed, min_probe_s=1.0)

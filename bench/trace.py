@@ -1,0 +1,181 @@
+"""One search on one drawn landscape, probe by probe: what it ran, when, and what it missed.
+
+    python -m bench.trace 42                          # design draw 42, bayes, 30 virtual minutes
+    python -m bench.trace 42 --budget 10m --strategy tpe
+    python -m bench.trace 24,35,91                    # several draws, one after another
+    python -m bench.trace 0-99 --calibration          # bayes only: how well its model predicted its probes
+
+The search is the one ``python -m bench.search --family ...`` scores for that draw (same strategy,
+budget and seed: the draw's index in its range), so a figure in its ``--details`` CSV can be
+traced here. Per draw it prints the landscape (``bench.family.Shape.describe``), the true optimum
+under the ceiling, one line per probe (virtual start and seconds, status, configuration, measured
+samples/s, its noise-free samples/s as a fraction of the optimum, its noise-free peak memory),
+the configuration the search returned, and **what it missed**: for each parameter where the
+returned configuration differs from the optimum, the returned configuration with only that value
+changed to the optimum's, as a factor on the returned one's samples/s (``!``: it does not run, or
+it does not fit under the ceiling). A miss that one such change repairs is a comparison the search
+did not make; one that none repairs needs several changes at once (a memory group, a batch size
+that fits only with another optimizer).
+
+``--calibration`` runs ``bayes`` on the draws and, for every probe that measured a throughput,
+compares the measured log samples/s with what the model predicted for that configuration when it
+proposed it: z = (measured - predicted mean) / sqrt(predicted sd^2 + the probe's noise^2). A
+calibrated model gives z with mean 0 and sd 1; it prints the mean, sd and percentiles of z, the
+share beyond 2 and 3, and the probes it was most wrong about.
+
+Use it on design draws only (``bench.search`` documents the ranges): tracing a held-out draw is
+looking at it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from autotune.units import parse_duration_s
+
+GiB = 2**30
+RANGE_SPAN = 100_000  # bench.search's ranges start at multiples of this: a draw's seed is its index in its range
+
+
+def trace(draw: int, budget_s: float, strategy: str = "bayes", out: Any = None) -> dict[str, Any]:
+    """Run and print one traced search; returns ``bench.search.family_search``'s row with
+    ``found_params`` (the returned configuration, or ``None``) and ``missed``:
+    ``[(parameter, optimum's value, factor, runs and fits)]`` for the one-value changes."""
+    from bench.family import FAMILY_PARAMS, OK
+    from bench.search import _landscape, family_search
+
+    out = out if out is not None else sys.stdout
+    log: list[Any] = []
+    row = family_search(strategy, draw, budget_s, draw % RANGE_SPAN, log=log)
+    landscape = _landscape(draw)
+    true_params, true_sps = landscape.true_best()
+    print(landscape.shape.describe(), file=out)
+    print(f"optimum  {true_params.short()}  {true_sps:.2f} samples/s", file=out)
+    for started_s, params, result in log:
+        noise_free = landscape.noise_free(params)
+        print(
+            f"{started_s:7.0f} +{result.wall_s or 0.0:5.0f} s  {result.status.value:<9} {params.short():<78} "
+            f"{result.samples_per_s or 0.0:9.2f}  x{float(noise_free.samples_per_s[0]) / true_sps:5.3f}  "
+            f"{float(noise_free.peak_bytes[0]) / GiB:6.1f} GiB",
+            file=out,
+        )
+    row["missed"] = []
+    found = next((p for _, p, _ in log if p.short() == row["found"]), None)
+    row["found_params"] = found
+    if found is None:
+        print("found    nothing", file=out)
+        return row
+    print(f"found    {row['found']}  x{row['ratio']:.3f} of the optimum", file=out)
+    found_sps = float(landscape.noise_free(found).samples_per_s[0])
+    for name in FAMILY_PARAMS:
+        value = getattr(true_params, name)
+        if getattr(found, name) == value:
+            continue
+        changed = landscape.noise_free(found.replace(**{name: value}))
+        runs_and_fits = int(changed.status[0]) == OK and float(changed.peak_bytes[0]) <= landscape.ceiling_bytes
+        factor = float(changed.samples_per_s[0]) / found_sps
+        row["missed"].append((name, value, factor, runs_and_fits))
+        print(f"missed   {name}={value}: x{factor:.3f}{'' if runs_and_fits else ' !'}", file=out)
+    return row
+
+
+def calibration(draws: list[int], budget_s: float, out: Any = None) -> dict[str, Any]:
+    """``bayes``'s prediction errors over the probes of one search per draw (see the module text)."""
+    import math
+
+    import numpy as np
+    import optuna
+
+    from autotune.search.loop import SearchSettings, run_search
+    from autotune.search.strategies.bayes import BayesStrategy
+    from bench.family import FamilyEvaluator, Landscape
+
+    out = out if out is not None else sys.stdout
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    records: list[tuple[int, float, float, str]] = []
+
+    class Recording(BayesStrategy):
+        """bayes, keeping the grid and the model's mean and sd of its last proposal."""
+
+        model: Any = None
+
+        def _throughput(self, context: Any, ran: Any, pending: Any = ()) -> Any:
+            mean, sd, cap = super()._throughput(context, ran, pending)
+            self.model = (context.grid, mean, sd)
+            return mean, sd, cap
+
+    @dataclass
+    class Scoring(FamilyEvaluator):
+        """The family's evaluator, scoring each measured probe against ``strategy``'s prediction."""
+
+        strategy: Any = None
+
+        def evaluate(self, params: Any, *, timeout_s: float) -> Any:
+            result = super().evaluate(params, timeout_s=timeout_s)
+            model = self.strategy.model
+            index = model[0].flat_index(params) if model is not None else None
+            if result.ok and result.samples_per_s and index is not None:
+                grid, mean, sd = model
+                mu = float(np.broadcast_to(mean, grid.shape).reshape(-1)[index])
+                sigma = float(np.broadcast_to(sd, grid.shape).reshape(-1)[index])
+                noise = self.landscape.shape.noise
+                records.append((self.landscape.shape.draw, (math.log(result.samples_per_s) - mu) / math.hypot(sigma, noise), sigma, params.short()))
+            return result
+
+    for draw in draws:
+        landscape = Landscape(draw)
+        strategy = Recording()
+        evaluator = Scoring(landscape, strategy=strategy)
+        seed = draw % RANGE_SPAN
+        study = optuna.create_study(direction="maximize", sampler=strategy.sampler(seed))
+        settings = SearchSettings(memory_ceiling_bytes=landscape.ceiling_bytes, budget_s=budget_s, seed=seed, min_probe_s=1.0)
+        run_search(study, landscape.space, evaluator, settings, baseline=landscape.space.baseline(), clock=evaluator.clock, strategy=strategy)
+    z = np.array([r[1] for r in records])
+    summary = {
+        "probes": len(z), "mean_z": float(z.mean()), "sd_z": float(z.std()),
+        "beyond_2": float((abs(z) > 2).mean()), "beyond_3": float((abs(z) > 3).mean()),
+        "percentiles": {q: float(np.percentile(z, q)) for q in (1, 5, 25, 50, 75, 95, 99)},
+        "median_predicted_sd": float(np.median([r[2] for r in records])),
+    }
+    print(f"{len(z)} probes over {len(draws)} draws: z mean {summary['mean_z']:.2f}, sd {summary['sd_z']:.2f}; "
+          f"|z| > 2: {summary['beyond_2']:.1%}, > 3: {summary['beyond_3']:.1%}; median predicted sd {summary['median_predicted_sd']:.3f}", file=out)
+    print("percentiles of z: " + ", ".join(f"p{q} {v:.2f}" for q, v in summary["percentiles"].items()), file=out)
+    for draw, zi, sigma, short in sorted(records, key=lambda r: -abs(r[1]))[:10]:
+        print(f"  draw {draw:>6}  z {zi:7.2f}  predicted sd {sigma:.3f}  {short}", file=out)
+    return summary
+
+
+def _draws(text: str) -> list[int]:
+    draws: list[int] = []
+    for part in text.split(","):
+        first, dash, last = part.partition("-")
+        draws += list(range(int(first), int(last) + 1)) if dash else [int(first)]
+    return draws
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench-trace", description=__doc__.splitlines()[0])
+    parser.add_argument("draws", help="draw numbers: 42, 24,35,91 or 0-99")
+    parser.add_argument("--budget", default="30m", help="virtual budget (default: 30m)")
+    parser.add_argument("--strategy", default="bayes", help="a strategy name (default: bayes)")
+    parser.add_argument("--calibration", action="store_true", help="bayes's prediction errors over the draws instead of traces")
+    args = parser.parse_args(argv)
+    try:
+        draws = _draws(args.draws)
+    except ValueError:
+        parser.error(f"draws must be whole numbers or ranges separated by commas (42, 24,35 or 0-99), not {args.draws!r}")
+    if args.calibration:
+        calibration(draws, parse_duration_s(args.budget))
+        return 0
+    for i, draw in enumerate(draws):
+        if i:
+            print()
+        trace(draw, parse_duration_s(args.budget), args.strategy)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""bench.trace: the traced search is the one bench.search scores, and what it says was missed is so."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from bench.family import FAMILY_PARAMS, OK, Landscape
+from bench.search import family_search
+from bench.trace import _draws, calibration, main, trace
+
+BUDGET_S = 300.0  # five virtual minutes: a few probes, and something left to miss
+
+
+def test_the_trace_is_the_search_bench_search_scores() -> None:
+    out = io.StringIO()
+    row = trace(2, BUDGET_S, out=out)
+    scored = family_search("bayes", 2, BUDGET_S, 2)
+    assert (row["ratio"], row["found"], row["probes"]) == (scored["ratio"], scored["found"], scored["probes"])
+    lines = out.getvalue().splitlines()
+    probe_lines = [line for line in lines if " s  " in line and line.endswith("GiB")]
+    assert len(probe_lines) >= row["probes"] > 0  # every probe, timed-out ones included
+    assert any(line.startswith("found ") and row["found"] in line for line in lines)
+
+
+def test_each_miss_is_the_found_configuration_with_one_value_of_the_optimum() -> None:
+    row = trace(2, BUDGET_S, out=io.StringIO())
+    landscape = Landscape(2)
+    optimum, _ = landscape.true_best()
+    found = row["found_params"]
+    assert row["ratio"] < 1.0 and row["missed"]
+    # Every missed value changed at once gives the optimum: the misses are all the differences.
+    all_changed = found.replace(**{name: value for name, value, _, _ in row["missed"]})
+    assert all(getattr(all_changed, n) == getattr(optimum, n) for n in FAMILY_PARAMS)
+    found_sps = float(landscape.noise_free(found).samples_per_s[0])
+    for name, value, factor, runs_and_fits in row["missed"]:
+        one = landscape.noise_free(found.replace(**{name: value}))
+        assert factor == pytest.approx(float(one.samples_per_s[0]) / found_sps)
+        assert runs_and_fits == (int(one.status[0]) == OK and float(one.peak_bytes[0]) <= landscape.ceiling_bytes)
+
+
+def test_bad_draw_numbers_are_one_line_errors(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["4,x"])
+    assert exit_info.value.code == 2
+    assert "whole numbers or ranges separated by commas" in capsys.readouterr().err
+
+
+def test_calibration_scores_every_probe_that_measured_a_throughput() -> None:
+    out = io.StringIO()
+    summary = calibration([2, 5], BUDGET_S, out=out)
+    # The baseline (the first probe) runs before the strategy proposes anything: no prediction to score.
+    measured = sum(1 for draw in (2, 5) for _, _, result in _log(draw)[1:] if result.ok and result.samples_per_s)
+    assert summary["probes"] == measured > 0
+    assert summary["percentiles"][5] <= summary["percentiles"][50] <= summary["percentiles"][95]
+    assert f"{summary['probes']} probes over 2 draws" in out.getvalue()
+
+
+def test_draw_ranges() -> None:
+    assert _draws("3,7-9,12") == [3, 7, 8, 9, 12]
+
+
+def _log(draw: int) -> list:
+    log: list = []
+    family_search("bayes", draw, BUDGET_S, draw, log=log)
+    return log
