@@ -248,6 +248,30 @@ def test_bayes_follows_an_input_bound_incumbent_to_loader_workers() -> None:
     assert max(p.dataloader_num_workers for p in fake.calls) == 8  # the loader, not compute, sets the pace
 
 
+def test_bayes_judges_zero_workers_by_a_workers_rate_before_it_measured_them() -> None:
+    # Only probes with loader workers ran (the baseline, with 0, failed): loading in the training
+    # process is taken as fast as one worker, serial with compute, not free.
+    space = parse_space({"per_device_train_batch_size": [8, 16], "dataloader_num_workers": [0, 2, 4, 8], "precision": ["fp32", "bf16"]})
+    fake = _LoaderBound()
+    history = [Probe(i, params, fake.evaluate(params, timeout_s=60.0)) for i, params in enumerate(
+        [TrialParams(precision="bf16", per_device_train_batch_size=16, dataloader_num_workers=w) for w in (2, 4)])]
+    memory = MemoryModel()
+    memory.observe_all((p.params, p.result) for p in history)
+    state = SearchState(space, 40 * GiB, memory, history, {p.params.key() for p in history}, remaining_s=3600.0)
+    strategy = BayesStrategy()
+    context = strategy._get_context(state)
+    mean, _, _ = strategy._throughput(context, history)
+    flat = np.broadcast_to(mean, context.grid.shape).reshape(-1)
+
+    def predicted(workers: int) -> float:
+        return float(np.exp(flat[context.grid.flat_index(TrialParams(precision="bf16", per_device_train_batch_size=16, dataloader_num_workers=workers))]))
+
+    serial = 1 / (1 / 100.0 + 1 / 15.0)  # what 0 workers measures on this fake: 13 samples/s
+    assert predicted(0) == pytest.approx(serial, rel=0.15)
+    assert predicted(0) < predicted(2)
+    assert strategy.propose(state).dataloader_num_workers != 0
+
+
 @dataclass
 class _PeakedBatch:
     """Everything fits; throughput rises with batch size up to 32 and falls past it."""

@@ -546,6 +546,11 @@ class BayesStrategy(Strategy):
             cap = np.full(shape, np.inf)
         cap = cap.astype(np.float32)
         mean = np.minimum(compute_mean, cap)
+        if main_rate is None and (worker_rates or worker_bounds):
+            # Nothing measured loading in the training process yet: it loads about as fast as one
+            # worker (the same code on one core), serial with compute; where the loader kept up
+            # that rate is a lower bound, so 0 workers is, if anything, judged too slow.
+            main_rate = max(worker_rates + worker_bounds)
         if main_rate is not None:
             serial = -np.log(np.exp(-compute_mean) + np.float32(1.0 / main_rate))
             mean = np.where(workers == 0, serial, mean)
