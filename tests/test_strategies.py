@@ -272,6 +272,23 @@ def test_bayes_judges_zero_workers_by_a_workers_rate_before_it_measured_them() -
     assert strategy.propose(state).dataloader_num_workers != 0
 
 
+def test_bayes_predicts_an_input_bound_configuration_at_its_loaders_measured_rate() -> None:
+    # bf16 computes 100 samples/s; 2 workers load 30: the probe waited, and the model expects what
+    # it measured there (the cap's margin is room for EI, not a prediction 10 % above the rate).
+    space = parse_space({"per_device_train_batch_size": [8, 16], "dataloader_num_workers": [0, 2, 4, 8], "precision": ["fp32", "bf16"]})
+    fake = _LoaderBound()
+    params = TrialParams(precision="bf16", per_device_train_batch_size=16, dataloader_num_workers=2)
+    history = [Probe(0, params, fake.evaluate(params, timeout_s=60.0))]
+    memory = MemoryModel()
+    memory.observe_all((p.params, p.result) for p in history)
+    state = SearchState(space, 40 * GiB, memory, history, {params.key()}, remaining_s=3600.0)
+    strategy = BayesStrategy()
+    context = strategy._get_context(state)
+    mean, _, _ = strategy._throughput(context, history)
+    predicted = float(np.exp(np.broadcast_to(mean, context.grid.shape).reshape(-1)[context.grid.flat_index(params)]))
+    assert history[0].result.input_bound and predicted == pytest.approx(30.0, rel=0.02)
+
+
 @dataclass
 class _PeakedBatch:
     """Everything fits; throughput rises with batch size up to 32 and falls past it."""

@@ -545,7 +545,9 @@ class BayesStrategy(Strategy):
         else:
             cap = np.full(shape, np.inf)
         cap = cap.astype(np.float32)
-        mean = np.minimum(compute_mean, cap)
+        # The expected throughput stops at the rate measured, not at the margin above it: the
+        # margin is room for improvement (what EI may count up to), not a prediction.
+        mean = np.minimum(compute_mean, cap - np.float32(CAP_MARGIN))
         if main_rate is None and (worker_rates or worker_bounds):
             # Nothing measured loading in the training process yet: it loads about as fast as one
             # worker (the same code on one core), serial with compute; where the loader kept up
