@@ -34,7 +34,14 @@ def _start_run(tmp_path: Path, *extra: str) -> subprocess.Popen[str]:
         [sys.executable, "-m", "autotune.cli", "run", *FAST, "--storage", f"sqlite:///{tmp_path / 'a.db'}",
          "--report-dir", str(tmp_path / "reports"), "--study", "s", *extra],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=env, start_new_session=True,
+        preexec_fn=_interruptible,
     )
+
+
+def _interruptible() -> None:
+    """Ctrl-C reaches the run as it does in a terminal: a test session started in the background
+    (``nohup``, ``cmd &`` without job control) ignores SIGINT, and its children inherit that."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _probe_folders(tmp_path: Path) -> list[Path]:
