@@ -124,9 +124,13 @@ def print_table(summary: dict[str, Any], budget_s: float) -> None:
 # ---------------------------------------------------------------------- the family
 
 
-def family_search(strategy: str, draw: int, budget_s: float, seed: int, log: list[Any] | None = None) -> dict[str, Any]:
-    """One search on one drawn landscape; the found configuration scored noise-free. ``log``, if
-    given, receives ``(virtual start s, configuration, result)`` per probe (``bench.trace``)."""
+def family_search(strategy: Any, draw: int, budget_s: float, seed: int, log: list[Any] | None = None, evaluator: Any = None) -> dict[str, Any]:
+    """One search on one drawn landscape; the found configuration scored noise-free.
+
+    ``strategy`` is a name, or a strategy instance (``bench.trace`` passes one that records its
+    model); ``log``, if given, receives ``(virtual start s, configuration, result)`` per probe;
+    ``evaluator`` replaces the draw's :class:`~bench.family.FamilyEvaluator` (one over the same
+    landscape, :func:`_landscape`)."""
     import optuna
 
     from autotune.search.loop import SearchSettings, ranked_configurations, run_search
@@ -136,8 +140,9 @@ def family_search(strategy: str, draw: int, budget_s: float, seed: int, log: lis
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     landscape = _landscape(draw)
     true_params, true_sps = landscape.true_best()
-    evaluator = FamilyEvaluator(landscape, log=log)
-    chosen = make_strategy(strategy)
+    if evaluator is None:
+        evaluator = FamilyEvaluator(landscape, log=log)
+    chosen = make_strategy(strategy) if isinstance(strategy, str) else strategy
     study = optuna.create_study(direction="maximize", sampler=chosen.sampler(seed))
     settings = SearchSettings(memory_ceiling_bytes=landscape.ceiling_bytes, budget_s=budget_s, seed=seed, min_probe_s=1.0)
     started = time.process_time()
@@ -145,7 +150,7 @@ def family_search(strategy: str, draw: int, budget_s: float, seed: int, log: lis
     cpu_s = time.process_time() - started
     ranked = ranked_configurations(study, landscape.ceiling_bytes)
     row: dict[str, Any] = {
-        "strategy": strategy, "draw": draw, "budget_s": budget_s, "seed": seed, "ratio": 0.0, "over_ceiling": 0,
+        "strategy": chosen.name, "draw": draw, "budget_s": budget_s, "seed": seed, "ratio": 0.0, "over_ceiling": 0,
         "oom_probes": evaluator.oom_probes, "probes": outcome.probes_run, "pruned": outcome.pruned,
         "virtual_s": evaluator.clock.now(), "cpu_s": round(cpu_s, 3), "found": "", "true_best": true_params.short(),
     }

@@ -87,14 +87,12 @@ def calibration(draws: list[int], budget_s: float, out: Any = None) -> dict[str,
     import math
 
     import numpy as np
-    import optuna
 
-    from autotune.search.loop import SearchSettings, run_search
     from autotune.search.strategies.bayes import BayesStrategy
-    from bench.family import FamilyEvaluator, Landscape
+    from bench.family import FamilyEvaluator
+    from bench.search import _landscape, family_search
 
     out = out if out is not None else sys.stdout
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
     records: list[tuple[int, float, float, str]] = []
 
     class Recording(BayesStrategy):
@@ -126,13 +124,8 @@ def calibration(draws: list[int], budget_s: float, out: Any = None) -> dict[str,
             return result
 
     for draw in draws:
-        landscape = Landscape(draw)
         strategy = Recording()
-        evaluator = Scoring(landscape, strategy=strategy)
-        seed = draw % RANGE_SPAN
-        study = optuna.create_study(direction="maximize", sampler=strategy.sampler(seed))
-        settings = SearchSettings(memory_ceiling_bytes=landscape.ceiling_bytes, budget_s=budget_s, seed=seed, min_probe_s=1.0)
-        run_search(study, landscape.space, evaluator, settings, baseline=landscape.space.baseline(), clock=evaluator.clock, strategy=strategy)
+        family_search(strategy, draw, budget_s, draw % RANGE_SPAN, evaluator=Scoring(_landscape(draw), strategy=strategy))
     z = np.array([r[1] for r in records])
     summary = {
         "probes": len(z), "mean_z": float(z.mean()), "sd_z": float(z.std()),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -248,24 +249,33 @@ def test_bayes_follows_an_input_bound_incumbent_to_loader_workers() -> None:
     assert max(p.dataloader_num_workers for p in fake.calls) == 8  # the loader, not compute, sets the pace
 
 
-def test_bayes_judges_zero_workers_by_a_workers_rate_before_it_measured_them() -> None:
-    # Only probes with loader workers ran (the baseline, with 0, failed): loading in the training
-    # process is taken as fast as one worker, serial with compute, not free.
-    space = parse_space({"per_device_train_batch_size": [8, 16], "dataloader_num_workers": [0, 2, 4, 8], "precision": ["fp32", "bf16"]})
+_LOADER_SPACE = {"per_device_train_batch_size": [8, 16], "dataloader_num_workers": [0, 2, 4, 8], "precision": ["fp32", "bf16"]}
+
+
+def _loader_bound_model(workers: tuple[int, ...]) -> tuple[BayesStrategy, SearchState, Callable[[int], float]]:
+    """bayes after probes of bf16 bs16 on :class:`_LoaderBound` with these worker counts: the
+    strategy, its state, and its predicted samples/s for bf16 bs16 by worker count."""
     fake = _LoaderBound()
     history = [Probe(i, params, fake.evaluate(params, timeout_s=60.0)) for i, params in enumerate(
-        [TrialParams(precision="bf16", per_device_train_batch_size=16, dataloader_num_workers=w) for w in (2, 4)])]
+        [TrialParams(precision="bf16", per_device_train_batch_size=16, dataloader_num_workers=w) for w in workers])]
     memory = MemoryModel()
     memory.observe_all((p.params, p.result) for p in history)
-    state = SearchState(space, 40 * GiB, memory, history, {p.params.key() for p in history}, remaining_s=3600.0)
+    state = SearchState(parse_space(_LOADER_SPACE), 40 * GiB, memory, history, {p.params.key() for p in history}, remaining_s=3600.0)
     strategy = BayesStrategy()
     context = strategy._get_context(state)
     mean, _, _ = strategy._throughput(context, history)
     flat = np.broadcast_to(mean, context.grid.shape).reshape(-1)
 
-    def predicted(workers: int) -> float:
-        return float(np.exp(flat[context.grid.flat_index(TrialParams(precision="bf16", per_device_train_batch_size=16, dataloader_num_workers=workers))]))
+    def predicted(count: int) -> float:
+        return float(np.exp(flat[context.grid.flat_index(TrialParams(precision="bf16", per_device_train_batch_size=16, dataloader_num_workers=count))]))
 
+    return strategy, state, predicted
+
+
+def test_bayes_judges_zero_workers_by_a_workers_rate_before_it_measured_them() -> None:
+    # Only probes with loader workers ran (the baseline, with 0, failed): loading in the training
+    # process is taken as fast as one worker, serial with compute, not free.
+    strategy, state, predicted = _loader_bound_model((2, 4))
     serial = 1 / (1 / 100.0 + 1 / 15.0)  # what 0 workers measures on this fake: 13 samples/s
     assert predicted(0) == pytest.approx(serial, rel=0.15)
     assert predicted(0) < predicted(2)
@@ -275,18 +285,8 @@ def test_bayes_judges_zero_workers_by_a_workers_rate_before_it_measured_them() -
 def test_bayes_predicts_an_input_bound_configuration_at_its_loaders_measured_rate() -> None:
     # bf16 computes 100 samples/s; 2 workers load 30: the probe waited, and the model expects what
     # it measured there (the cap's margin is room for EI, not a prediction 10 % above the rate).
-    space = parse_space({"per_device_train_batch_size": [8, 16], "dataloader_num_workers": [0, 2, 4, 8], "precision": ["fp32", "bf16"]})
-    fake = _LoaderBound()
-    params = TrialParams(precision="bf16", per_device_train_batch_size=16, dataloader_num_workers=2)
-    history = [Probe(0, params, fake.evaluate(params, timeout_s=60.0))]
-    memory = MemoryModel()
-    memory.observe_all((p.params, p.result) for p in history)
-    state = SearchState(space, 40 * GiB, memory, history, {params.key()}, remaining_s=3600.0)
-    strategy = BayesStrategy()
-    context = strategy._get_context(state)
-    mean, _, _ = strategy._throughput(context, history)
-    predicted = float(np.exp(np.broadcast_to(mean, context.grid.shape).reshape(-1)[context.grid.flat_index(params)]))
-    assert history[0].result.input_bound and predicted == pytest.approx(30.0, rel=0.02)
+    _, state, predicted = _loader_bound_model((2,))
+    assert state.history[0].result.input_bound and predicted(2) == pytest.approx(30.0, rel=0.02)
 
 
 @dataclass

@@ -531,10 +531,12 @@ class BayesStrategy(Strategy):
             else:
                 worker_bounds.append(sps / count**WORKER_SCALING)  # the loader kept up: at least this fast
         main_rate = statistics.median(main_rates) if main_rates else None
-        if worker_rates:
-            # A waiting probe's throughput is below its loader's rate (its optimizer step adds to the
-            # step), so every probe bounds the rate from below: the largest bound is the estimate.
-            per_worker = max(worker_rates + worker_bounds)
+        # One worker's rate: every probe with workers bounds it from below (a waiting probe's
+        # throughput is below its loader's rate: its optimizer step adds to the step), so the
+        # largest bound is the estimate.
+        fastest_worker = max(worker_rates + worker_bounds, default=None)
+        if worker_rates and fastest_worker is not None:  # a probe waited for its loader: the loader's pace was measured
+            per_worker = fastest_worker
         elif main_rate is not None:
             per_worker = max(main_rate, max(worker_bounds, default=0.0))  # one worker about as fast as the main process
         else:
@@ -548,11 +550,11 @@ class BayesStrategy(Strategy):
         # The expected throughput stops at the rate measured, not at the margin above it: the
         # margin is room for improvement (what EI may count up to), not a prediction.
         mean = np.minimum(compute_mean, cap - np.float32(CAP_MARGIN))
-        if main_rate is None and (worker_rates or worker_bounds):
+        if main_rate is None and fastest_worker is not None:
             # Nothing measured loading in the training process yet: it loads about as fast as one
             # worker (the same code on one core), serial with compute; where the loader kept up
             # that rate is a lower bound, so 0 workers is, if anything, judged too slow.
-            main_rate = max(worker_rates + worker_bounds)
+            main_rate = fastest_worker
         if main_rate is not None:
             serial = -np.log(np.exp(-compute_mean) + np.float32(1.0 / main_rate))
             mean = np.where(workers == 0, serial, mean)
