@@ -164,3 +164,41 @@ def test_optimizer_state_follows_the_parameters_dtype_only_for_torchs_optimizers
     for bnb in ("lion_32bit", "paged_adamw_32bit", "rmsprop_bnb", "ademamix", "adamw_bnb_8bit", "paged_lion_8bit"):
         assert optimizer_state_bytes(bnb, n, 64, bf16_bytes) == optimizer_state_bytes(bnb, n, 64), bnb
     assert optimizer_state_bytes("adafactor", n, 64, bf16_bytes) == optimizer_state_bytes("adafactor", n, 64)
+
+
+def _generic_truth(params: TrialParams, *, checkpointing_keeps: float = 0.3, eager_factor: float = 1.5) -> int:
+    """Peaks of a model whose checkpointing keeps 30 % of the activations (the generic factor says 15 %)."""
+    static = {"adamw_torch_fused": 18, "adafactor": 10, "adamw_bnb_8bit": 12}[params.optim] * 0.25 * GiB
+    act = 0.5 * GiB * (checkpointing_keeps if params.gradient_checkpointing else 1.0) * (0.85 if params.torch_compile != "off" else 1.0)
+    act *= eager_factor if params.attn_implementation == "eager" else 1.0
+    return int(static + params.per_device_train_batch_size * act)
+
+
+def test_activation_factors_are_learnt_from_the_measured_groups() -> None:
+    # Mostly checkpointed groups measured, and one small batch without checkpointing: a group never
+    # measured without checkpointing (another optimizer, compiled) is predicted from what
+    # checkpointing did here (it keeps 30 %), not from the fixed 15 %, which predicts twice the
+    # activations (and so the search never tries the fast small batch that fits).
+    memory = MemoryModel()
+    measured = [TrialParams(precision="bf16", optim="adamw_torch_fused", gradient_checkpointing=True, per_device_train_batch_size=b) for b in (8, 16, 32)]
+    measured += [TrialParams(precision="bf16", optim="adafactor", gradient_checkpointing=True, per_device_train_batch_size=b) for b in (16, 48)]
+    measured += [TrialParams(precision="bf16", optim="adafactor", per_device_train_batch_size=4)]
+    for params in measured:
+        memory.observe(params, _ok(_generic_truth(params)))
+    unseen = TrialParams(precision="bf16", optim="adamw_bnb_8bit", torch_compile="inductor", per_device_train_batch_size=16)
+    assert memory.predict(unseen) == pytest.approx(_generic_truth(unseen), rel=0.1)
+
+
+def test_an_out_of_memory_probe_bounds_its_activation_class() -> None:
+    # Eager attention takes 12x the activations of sdpa here (long sequences), where the generic
+    # factor says 1.5x. After an OOM at batch 8 (probes run out of memory at the ceiling), eager at
+    # batch 16 with a smaller optimizer state is predicted over the ceiling, not far under it.
+    memory = MemoryModel(oom_floor_bytes=20 * GiB)
+    for b in (8, 16, 32):
+        params = TrialParams(precision="bf16", optim="adamw_torch_fused", per_device_train_batch_size=b)
+        memory.observe(params, _ok(_generic_truth(params, eager_factor=12.0)))
+    eager = TrialParams(precision="bf16", optim="adamw_torch_fused", attn_implementation="eager", per_device_train_batch_size=8)
+    smaller = eager.replace(optim="adafactor", per_device_train_batch_size=16)
+    assert memory.predict(smaller) < 20 * GiB  # the fixed factor alone: it fits
+    memory.observe(eager, _oom())
+    assert memory.predict(smaller) > 20 * GiB

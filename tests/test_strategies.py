@@ -289,6 +289,28 @@ def test_bayes_predicts_an_input_bound_configuration_at_its_loaders_measured_rat
     assert state.history[0].result.input_bound and predicted(2) == pytest.approx(30.0, rel=0.02)
 
 
+def test_bayes_learns_main_process_loading_from_throughput_where_probes_report_no_input_wait() -> None:
+    # A replay table has no input wait: loading in the training process (0 workers) ran 12 samples/s
+    # at batch 64 whatever the rest, 2 workers 75 at batch 24. Without a wait to split it, the 0-worker
+    # effect is the compute model's to learn, not 3 % of prior sd: batch 64 with 2 workers is expected
+    # near the 75 of 2 workers at batch 24, not the 12 of 0 workers at 64 (a fall past batch 32).
+    def probe(number: int, batch: int, workers: int, sps: float) -> Probe:
+        params = TrialParams(precision="bf16", per_device_train_batch_size=batch, dataloader_num_workers=workers)
+        return Probe(number, params, ProbeResult(status="ok", samples_per_s=sps, peak_mem_bytes=GiB + batch * 2**24, wall_s=40.0,
+                                                 step_time_s=batch / sps))
+    history = [probe(0, 40, 0, 12.0), probe(1, 64, 0, 12.6), probe(2, 1, 0, 4.9), probe(3, 24, 2, 75.0)]
+    space = parse_space({"per_device_train_batch_size": [1, 8, 16, 24, 32, 40, 64], "dataloader_num_workers": [0, 2, 4, 8], "precision": ["fp32", "bf16"]})
+    memory = MemoryModel()
+    memory.observe_all((p.params, p.result) for p in history)
+    state = SearchState(space, 40 * GiB, memory, history, {p.params.key() for p in history}, remaining_s=3600.0)
+    strategy = BayesStrategy()
+    context = strategy._get_context(state)
+    mean, _, _ = strategy._throughput(context, history)
+    flat = np.broadcast_to(mean, context.grid.shape).reshape(-1)
+    at_64 = float(np.exp(flat[context.grid.flat_index(TrialParams(precision="bf16", per_device_train_batch_size=64, dataloader_num_workers=2))]))
+    assert at_64 > 60.0
+
+
 @dataclass
 class _PeakedBatch:
     """Everything fits; throughput rises with batch size up to 32 and falls past it."""

@@ -374,6 +374,7 @@ def run_search(
     rng = random.Random(settings.seed)
     trials = studies.read_trials(study)
     memory = memory if memory is not None else MemoryModel()
+    memory.oom_floor_bytes = max(memory.oom_floor_bytes, settings.memory_ceiling_bytes or 0)  # probes run out of memory at the ceiling
     synced = _Synced(memory, from_number=max((t.number for t in trials), default=-1) + 1)
     outcome = SearchOutcome(stopped_because="budget")
     wall_times_s: list[float] = []

@@ -35,9 +35,12 @@ and a measured peak over the ceiling at b means over the ceiling for every large
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from autotune.params import TrialParams, mixed_precision_dtype
 from autotune.records import ProbeResult, ProbeStatus
@@ -83,7 +86,16 @@ GROUP_KEYS = ("precision", "optim", "torch_compile", "attn_implementation", "gra
 PRUNE_MARGIN = 0.05  # prune only when predicted over the ceiling by more than this fraction
 UNCALIBRATED_PRUNE_MARGIN = 0.25  # the same for a group never measured, predicted from generic factors
 
+# Learning the activation factors from measurements (MemoryModel._learn_classes):
+PEAK_SD = 0.05  # relative error of a measured peak as a sample of the linear model (allocator rounding, fragmentation)
+SCALE_PRIOR_SD = 1.0  # prior sd of the static scale and of each class's activation scale, around the global fit
+FACTOR_SD_GENERIC = 0.4  # prior sd of a fixed activation factor's log error, without model dims
+FACTOR_SD_ANALYTIC = 0.2  # the same with model dims (the analytic factors are closer)
+CLASS_SD = 0.1  # a class's log deviation from the product of its factors
+BOUND_SD = 0.3  # an out-of-memory bound on a class's log activation scale, taken as a measurement this uncertain
+
 MemoryGroup = tuple[Any, ...]
+ActivationClass = tuple[bool, bool, bool, bool, bool]
 # QLoRA's NF4 weights: 4 bits each, plus block-wise absmax constants (double-quantized: ~0.127 bits
 # per weight, Dettmers et al. 2023, "QLoRA", sec. 3).
 QLORA_BYTES_PER_QUANTIZED_PARAM = 0.5 + 0.127 / 8
@@ -92,6 +104,12 @@ QLORA_BYTES_PER_QUANTIZED_PARAM = 0.5 + 0.127 / 8
 def memory_group(params: TrialParams) -> MemoryGroup:
     """The parameters that change peak memory other than batch size."""
     return tuple(getattr(params, name) for name in GROUP_KEYS)
+
+
+def activation_class(params: TrialParams) -> ActivationClass:
+    """Which fixed activation factors apply: fp32 storage, eager attention, checkpointing, compile, Liger."""
+    return (mixed_precision_dtype(params.precision) is None, params.attn_implementation == "eager",
+            bool(params.gradient_checkpointing), params.torch_compile != "off", bool(params.use_liger_kernel))
 
 
 @dataclass(frozen=True)
@@ -272,8 +290,12 @@ class MemoryModel:
 
     dims: ModelDims | None = None
     seq_len: int = 512
+    oom_floor_bytes: int = 0  # an out-of-memory probe's peak was above this (the ceiling: probes enforce it)
     _groups: dict[MemoryGroup, _GroupData] = field(default_factory=dict)
     _scales: tuple[float, float] | None = None  # fitted (static, activation) scales
+    _class_log_scale: dict[ActivationClass, float] | None = None  # learnt log correction per activation class
+    _factor_model: tuple[float, np.ndarray] | None = None  # (intercept, per-factor log corrections) for classes never measured
+    _static_factor: float = 1.0  # the static scale's refinement by the per-class fit
     _observations: list[tuple[TrialParams, int]] = field(default_factory=list)
 
     # ---------------------------------------------------------------- learning
@@ -284,10 +306,12 @@ class MemoryModel:
         batch = params.per_device_train_batch_size
         if result.status is ProbeStatus.OOM:
             group.oom_from = batch if group.oom_from is None else min(group.oom_from, batch)
+            self._class_log_scale = None  # an OOM bounds its activation class
         elif result.ok and result.peak_mem_bytes is not None:
             group.fits[batch] = max(group.fits.get(batch, 0), int(result.peak_mem_bytes))
             self._observations.append((params, int(result.peak_mem_bytes)))
             self._scales = None
+            self._class_log_scale = None
 
     def observe_all(self, items: Iterable[tuple[TrialParams, ProbeResult]]) -> None:
         for params, result in items:
@@ -308,7 +332,6 @@ class MemoryModel:
         if not rows:
             self._scales = prior
             return prior
-        import numpy as np
 
         x = np.array([[s, b * a] for s, a, b, _ in rows])
         y = np.array([m for *_, m in rows])
@@ -340,15 +363,119 @@ class MemoryModel:
         scales = self._fitted_scales()
         if scales is None:
             return None
-        static, act = self._features(params)
+        slope = self._activation_slope(params)
         if group and len(group.fits) == 1:
             # One point: a sibling group's slope, else the fitted model's through the point.
             (b0, m0), = group.fits.items()
-            sibling = self._sibling_slope(params, act)
-            return int(m0 + (batch - b0) * (sibling if sibling is not None else act * scales[1]))
-        return int(scales[0] * static + batch * act * scales[1])
+            sibling = self._sibling_slope(params)
+            return int(m0 + (batch - b0) * (sibling if sibling is not None else slope))
+        return int(scales[0] * self._static_factor * self._features(params)[0] + batch * slope)
 
-    def _sibling_slope(self, params: TrialParams, act: float) -> float | None:
+    def _activation_slope(self, params: TrialParams) -> float:
+        """Predicted activation bytes per sample: the fitted scale times the learnt correction of the
+        configuration's activation class (:meth:`_learn_classes`)."""
+        scales = self._fitted_scales()
+        assert scales is not None
+        return self._features(params)[1] * scales[1] * math.exp(self._class_correction(activation_class(params)))
+
+    def _class_correction(self, key: ActivationClass) -> float:
+        if self._class_log_scale is None:
+            self._learn_classes()
+        assert self._class_log_scale is not None
+        if key in self._class_log_scale:
+            return self._class_log_scale[key]
+        return self._predicted_log_scale(key)
+
+    def _learn_classes(self) -> None:
+        """Learn how far each activation factor (fp32, eager attention, checkpointing, compile, Liger)
+        is off in the measured data, so a group never measured is predicted from what its factors did
+        elsewhere instead of from the fixed factors alone.
+
+        The fixed factors are guesses (checkpointing keeps 15 % of the activations without model
+        dims, where models keep 10-30 %; eager attention 1.5x, where the scores of long sequences
+        take many times the rest), and one global scale fitted mostly on checkpointed groups then
+        overestimates every group without checkpointing: the search never tries the fast
+        small-batch configuration that fits. Three linear steps:
+
+        1. every measured peak, ``m = s.static + b.act.A.u_c``: a Bayesian least-squares fit of the
+           static scale ``s`` and one activation scale ``u_c`` per activation class measured (priors
+           1, peaks with :data:`PEAK_SD` relative error);
+        2. ``log u_c = c + sum_f delta_f [class has factor f]`` over the measured classes (each
+           weighted by its own uncertainty plus :data:`CLASS_SD`), the ``delta_f`` with prior sd
+           ``FACTOR_SD_*`` (0: the fixed factors are right). An out-of-memory probe's peak was above
+           the ceiling (:attr:`oom_floor_bytes`) and every peak measured (the device held those):
+           where that needs more activation than the
+           class is predicted, the bound counts as a measurement of the class, and step 2 is redone;
+        3. a measured class keeps its own ``u_c`` shrunk toward step 2's prediction; a class never
+           measured gets step 2's prediction, at least its out-of-memory bound.
+
+        With one class measured and no OOM nothing changes but the scale; a group's own line wins.
+        """
+        self._class_log_scale, self._factor_model, self._static_factor = {}, None, 1.0
+        scales = self._fitted_scales()
+        if scales is None or not self._observations:
+            return
+        static_scale, act_scale = scales
+        keys = sorted({activation_class(p) for p, _ in self._observations})
+        column = {k: i for i, k in enumerate(keys)}
+        x = np.zeros((len(self._observations), 1 + len(keys)))
+        y = np.zeros(len(self._observations))
+        for row, (params, peak) in enumerate(self._observations):
+            static, act = self._features(params)
+            x[row, 0] = static * static_scale
+            x[row, 1 + column[activation_class(params)]] = params.per_device_train_batch_size * act * act_scale
+            y[row] = peak
+        weights = 1.0 / (PEAK_SD * np.maximum(y, 1.0)) ** 2
+        prior_precision = np.full(1 + len(keys), 1.0 / SCALE_PRIOR_SD**2)
+        precision = (x * weights[:, None]).T @ x + np.diag(prior_precision)
+        covariance = np.linalg.inv(precision)
+        theta = covariance @ ((x * weights[:, None]).T @ y + prior_precision)  # prior means 1
+        self._static_factor = max(float(theta[0]), 0.0)
+        scale = np.maximum(theta[1:], 0.05)
+        measured = dict(zip(keys, zip(np.log(scale), np.diag(covariance)[1:] / scale**2)))  # class -> (log scale, its variance)
+        self._factor_model = self._fit_factors(measured)
+        # Out-of-memory bounds: the peak exceeded the ceiling and the largest peak measured.
+        most = max(max(peak for _, peak in self._observations), self.oom_floor_bytes)
+        bounds: dict[ActivationClass, float] = {}
+        for group, data in self._groups.items():
+            if data.oom_from is None:
+                continue
+            params = TrialParams.from_dict({**dict(zip(GROUP_KEYS, group)), "per_device_train_batch_size": data.oom_from})
+            static, act = self._features(params)
+            needed = (most - static_scale * self._static_factor * static) / (data.oom_from * act * act_scale)
+            if needed > 0:
+                key = activation_class(params)
+                bounds[key] = max(bounds.get(key, -math.inf), math.log(needed))
+        binding = {k: (b, BOUND_SD**2) for k, b in bounds.items() if k not in measured and b > self._predicted_log_scale(k)}
+        if binding:
+            self._factor_model = self._fit_factors({**measured, **binding})
+        for key in set(measured) | set(bounds):
+            predicted = self._predicted_log_scale(key)
+            if key in measured:
+                # The class's own estimate, shrunk toward what its factors predict (precision-weighted).
+                own, prior = 1.0 / measured[key][1], 1.0 / CLASS_SD**2
+                self._class_log_scale[key] = float((own * measured[key][0] + prior * predicted) / (own + prior))
+            else:
+                self._class_log_scale[key] = max(predicted, bounds[key])
+
+    def _fit_factors(self, classes: dict[ActivationClass, tuple[float, float]]) -> tuple[float, np.ndarray]:
+        """Ridge regression of classes' log activation scales on their factors: (intercept, effects)."""
+        keys = sorted(classes)
+        design = np.hstack([np.ones((len(keys), 1)), np.array(keys, dtype=float)])
+        target = np.array([classes[k][0] for k in keys])
+        w = 1.0 / (np.array([classes[k][1] for k in keys]) + CLASS_SD**2)
+        factor_sd = FACTOR_SD_ANALYTIC if self.dims is not None else FACTOR_SD_GENERIC
+        prior = np.diag([1.0] + [1.0 / factor_sd**2] * (design.shape[1] - 1))
+        beta = np.linalg.solve((design * w[:, None]).T @ design + prior, (design * w[:, None]).T @ target)
+        return float(beta[0]), beta[1:]
+
+    def _predicted_log_scale(self, key: ActivationClass) -> float:
+        if self._factor_model is None:
+            return 0.0
+        intercept, effects = self._factor_model
+        return float(intercept + effects @ np.array(key, dtype=float))
+
+    def _sibling_slope(self, params: TrialParams) -> float | None:
         """Activation bytes per sample from groups with their own line and the same precision,
         attention, checkpointing and Liger kernels (they differ in optimizer or compile only), scaled
         by the model's activation ratio between the two groups."""
@@ -361,7 +488,7 @@ class MemoryModel:
                 continue
             line = _line(data)
             if line is not None:
-                slopes.append(line[1] * act / self._features(sibling)[1])
+                slopes.append(line[1] * self._activation_slope(params) / self._activation_slope(sibling))
         if not slopes:
             return None
         slopes.sort()
@@ -420,7 +547,7 @@ class MemoryModel:
         group = self._groups.get(memory_group(params))
         # An OOM in a group with no successful probe says the prediction was far off: halve.
         limit = group.oom_from // 2 if group and group.oom_from and not group.fits else None
-        if group and self.dims is None and len(group.fits) == 1 and self._sibling_slope(params, self._features(params)[1]) is None:
+        if group and self.dims is None and len(group.fits) == 1 and self._sibling_slope(params) is None:
             # Without model dims, one point cannot split static from activation memory: grow at
             # most 4x past it, so the next probe measures the slope instead of running out of memory.
             limit = 4 * max(group.fits)
@@ -444,7 +571,6 @@ def _line(group: _GroupData) -> tuple[float, float] | None:
     """(intercept, slope) of the group's peak against batch size, from two or more batch sizes."""
     if len(group.fits) < 2:
         return None
-    import numpy as np
 
     b = np.array(list(group.fits), dtype=float)
     m = np.array(list(group.fits.values()), dtype=float)

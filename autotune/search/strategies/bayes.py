@@ -120,6 +120,10 @@ _KINDS: dict[str, dict[str, tuple[Any, ...]]] = {
                                    "inductor:max-autotune-no-cudagraphs", "cudagraphs", "aot_eager")},
 }
 _WITHIN_KIND_SD = 0.06
+# Loading in the training process (0 workers) is serial with compute. A probe that measures its input
+# wait lets the input model account for that; where probes do not (a replay table, an evaluator of
+# one's own), the 0-worker effect is the compute model's to learn, and it can be several-fold.
+_MAIN_PROCESS_LOADING_SD = 0.7
 _TILT_SD = {"torch_compile": 0.2}  # compilation mostly cuts per-step overhead: its gain depends on the batch
 _REFERENCE_BATCH = 8.0  # features are zero here (transformers' default batch size): no variance at the baseline's size
 
@@ -312,6 +316,7 @@ class _Context:
     lines_at: int = -1
     p_ok: dict[str, tuple[tuple[Any, ...], np.ndarray]] = field(default_factory=dict)  # per kind of failure, its last prediction by its key
     flat_of_key: dict[tuple[Any, ...], int | None] = field(default_factory=dict)
+    main_process_loading: int | None = None  # the surrogate's feature of 0 loader workers, if the space has it
 
 
 class BayesStrategy(Strategy):
@@ -448,6 +453,9 @@ class BayesStrategy(Strategy):
             probe_noise = max(probe.result.step_time_ci95_rel or 0.02, PROBE_NOISE_FLOOR)
             noise.append(probe_noise**2 + MODEL_NOISE**2 + (wait / (1 - wait) * 0.05) ** 2)
         surrogate.prior_mean[surrogate.index_of("intercept")] = float(np.median(targets)) if targets else 0.0
+        if context.main_process_loading is not None:
+            unmeasured = any(probe.result.input_wait_fraction is None for probe in ran)
+            surrogate.prior_sd[context.main_process_loading] = _MAIN_PROCESS_LOADING_SD if unmeasured else _PRIOR_SD[WORKERS]
         surrogate.fit(np.array(rows).reshape(len(rows), surrogate.n_features), np.array(targets), np.array(noise))
         believed = [surrogate.features(params) for params in pending]
         if believed:
@@ -935,4 +943,6 @@ class BayesStrategy(Strategy):
         other_axes = tuple(i for i, n in enumerate(grid.names) if n not in groups.dims)
         compile_values = np.array(grid.values["torch_compile"], dtype=object).reshape(grid.broadcast_shape(("torch_compile",)))
         self._context = _Context(grid, surrogate, groups, batch_values, accum_grid, compile_values, other_axes)
+        if WORKERS in grid.names and 0 in grid.values[WORKERS] and len(grid.values[WORKERS]) > 1:
+            self._context.main_process_loading = surrogate.index_of(f"{WORKERS}=0")
         return self._context
