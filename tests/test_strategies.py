@@ -311,6 +311,32 @@ def test_bayes_learns_main_process_loading_from_throughput_where_probes_report_n
     assert at_64 > 60.0
 
 
+def test_bayes_trusts_a_memory_prediction_more_where_the_groups_activation_factors_were_measured() -> None:
+    # bf16 sdpa measured with AdamW (peak 2 GiB + 0.5 GiB/sample): Adafactor's group, never measured,
+    # shares its activation factors, so its prediction 6 % under the ceiling is likely to fit; eager
+    # attention's group at the same predicted margin is not known that well.
+    space = parse_space({"per_device_train_batch_size": [8, 16, 32, 64], "optim": ["adamw_torch_fused", "adafactor"],
+                         "attn_implementation": ["sdpa", "eager"], "precision": ["bf16"]})
+    history = [Probe(i, TrialParams(precision="bf16", per_device_train_batch_size=b),
+                     ProbeResult(status="ok", samples_per_s=10.0, peak_mem_bytes=2 * GiB + b * GiB // 2)) for i, b in enumerate((8, 16))]
+    memory = MemoryModel()
+    memory.observe_all((p.params, p.result) for p in history)
+    strategy = BayesStrategy()
+
+    def p_fit(params: TrialParams) -> float:
+        ceiling = int(memory.predict(params) / 0.94)
+        state = SearchState(space, ceiling, memory, history, {p.params.key() for p in history}, remaining_s=3600.0)
+        context = strategy._get_context(state)
+        evidence = MemoryEvidence.of(context.groups, context.grid, history, ceiling)
+        row = strategy._p_fit_row(context, state, evidence, context.groups.index(params, context.grid))
+        return float(row[context.grid.values["per_device_train_batch_size"].index(params.per_device_train_batch_size)])
+
+    alike = TrialParams(precision="bf16", optim="adafactor", per_device_train_batch_size=32)
+    assert memory.class_measured(alike) and p_fit(alike) > 0.7
+    eager = TrialParams(precision="bf16", optim="adafactor", attn_implementation="eager", per_device_train_batch_size=32)
+    assert not memory.class_measured(eager) and p_fit(eager) < 0.6
+
+
 @dataclass
 class _PeakedBatch:
     """Everything fits; throughput rises with batch size up to 32 and falls past it."""

@@ -27,8 +27,11 @@ it costs time (each step after it allocates afresh), which the probes measure.
 
 :class:`MemoryModel` calibrates this online from measured peaks: one global least-squares fit of
 two scales (static and activation bytes, relative to the analytic model, or to generic relative
-factors when no model config is known, as in a replay), overridden per group by that group's own
-line (peak against batch size) once it has two batch sizes measured. Measurements always win over
+factors when no model config is known, as in a replay); then the fixed activation factors (fp32,
+eager attention, checkpointing, compile, Liger) are learnt from the data, one scale per measured
+combination of them and a log-linear model of the factors for the combinations never measured,
+with out-of-memory probes as lower bounds (``MemoryModel._learn_classes``); overridden per group by
+that group's own line (peak against batch size) once it has two batch sizes measured. Measurements always win over
 predictions: an OOM at batch b means OOM for every larger b of the group (monotone inference),
 and a measured peak over the ceiling at b means over the ceiling for every larger b.
 """
@@ -528,6 +531,12 @@ class MemoryModel:
         if predicted > ceiling_bytes * (1 + margin):
             return f"predicted {predicted / GiB:.1f} GiB > ceiling {ceiling_bytes / GiB:.1f} GiB"
         return None
+
+    def class_measured(self, params: TrialParams) -> bool:
+        """Whether a group with the activation factors of ``params`` (:func:`activation_class`) has a
+        measured peak: then its activations per sample are learnt, not only the fixed factors'."""
+        key = activation_class(params)
+        return any(activation_class(p) == key for p, _ in self._observations)
 
     def is_calibrated(self, params: TrialParams) -> bool:
         """Whether a prediction for ``params`` is trusted to within :data:`PRUNE_MARGIN`.

@@ -96,7 +96,9 @@ MIN_SD = 0.01  # no point is certain: EI stays positive near the incumbent
 WORKER_SCALING = 0.9  # loader throughput ~ workers^0.9
 CAP_MARGIN = 0.1  # a loader's rate read off a waiting probe is a lower bound (the optimizer step hides in it), log scale
 OOM_IMPLIED = 0.05  # P(fits) left where an OOM elsewhere implies this one, given plausible activation ratios
-MEMORY_SD = {"line": 0.03, "point": 0.10, "none": 0.30}  # relative error of a predicted peak, by what the group has measured
+# Relative error of a predicted peak, by what was measured: the group's line, one point of it, a
+# group with its activation factors (MemoryModel.class_measured), nothing alike.
+MEMORY_SD = {"line": 0.03, "point": 0.10, "class": 0.10, "none": 0.30}
 PENDING_NOISE = 0.02  # a pending probe's believed outcome is weighed like a probe with this CI (a real probe's default)
 PENDING_NUMBER = 10**9  # pending probes' numbers: after every real trial's
 
@@ -710,11 +712,16 @@ class BayesStrategy(Strategy):
     def _line(self, context: _Context, state: SearchState, group: int) -> tuple[float, float] | None:
         """The memory model's peak for ``group`` as (bytes at batch 0, bytes per sample); ``None`` before any scale."""
         if group not in context.lines:
-            params = context.grid.params_at(0).replace(**dict(zip(context.groups.dims, context.groups.values[group])))
+            params = self._group_params(context, group)
             one = state.memory.predict(params.replace(per_device_train_batch_size=1))
             two = state.memory.predict(params.replace(per_device_train_batch_size=2))
             context.lines[group] = None if one is None or two is None else (2.0 * one - two, float(two - one))
         return context.lines[group]
+
+    @staticmethod
+    def _group_params(context: _Context, group: int) -> TrialParams:
+        """A configuration of ``group`` (its other values: the grid's first)."""
+        return context.grid.params_at(0).replace(**dict(zip(context.groups.dims, context.groups.values[group])))
 
     def _predicted_row(self, context: _Context, state: SearchState, group: int) -> np.ndarray | None:
         line = self._line(context, state, group)
@@ -729,7 +736,7 @@ class BayesStrategy(Strategy):
         if model is None:
             return np.full(len(context.grid.values[BATCH]), 0.5)
         fits = evidence.fits.get(group, {})
-        kind = "line" if len(fits) >= 2 else "point" if fits else "none"
+        kind = "line" if len(fits) >= 2 else "point" if fits else "class" if state.memory.class_measured(self._group_params(context, group)) else "none"
         sd = MEMORY_SD[kind]
         margin = np.log(ceiling / np.maximum(model, 1.0))  # how far under the ceiling the model puts each batch
         floor = -np.inf
