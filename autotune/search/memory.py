@@ -96,6 +96,7 @@ FACTOR_SD_GENERIC = 0.4  # prior sd of a fixed activation factor's log error, wi
 FACTOR_SD_ANALYTIC = 0.2  # the same with model dims (the analytic factors are closer)
 CLASS_SD = 0.1  # a class's log deviation from the product of its factors
 BOUND_SD = 0.3  # an out-of-memory bound on a class's log activation scale, taken as a measurement this uncertain
+MAX_BOUND_LOG = math.log(20.0)  # at most 20x the fixed factors (eager attention's scores at long sequences reach ~10x)
 
 MemoryGroup = tuple[Any, ...]
 ActivationClass = tuple[bool, bool, bool, bool, bool]
@@ -412,12 +413,13 @@ class MemoryModel:
         3. a measured class keeps its own ``u_c`` shrunk toward step 2's prediction; a class never
            measured gets step 2's prediction, at least its out-of-memory bound.
 
-        With one class measured and no OOM nothing changes but the scale; a group's own line wins.
+        With one class measured and no OOM, or every peak at one batch size, nothing changes but the
+        scale; a group's own line wins.
         """
         self._class_log_scale, self._factor_model, self._static_factor = {}, None, 1.0
         scales = self._fitted_scales()
-        if scales is None or not self._observations:
-            return
+        if scales is None or len({p.per_device_train_batch_size for p, _ in self._observations}) < 2:
+            return  # peaks at one batch size cannot tell activations from static memory
         static_scale, act_scale = scales
         keys = sorted({activation_class(p) for p, _ in self._observations})
         column = {k: i for i, k in enumerate(keys)}
@@ -448,7 +450,7 @@ class MemoryModel:
             needed = (most - static_scale * self._static_factor * static) / (data.oom_from * act * act_scale)
             if needed > 0:
                 key = activation_class(params)
-                bounds[key] = max(bounds.get(key, -math.inf), math.log(needed))
+                bounds[key] = max(bounds.get(key, -math.inf), min(math.log(needed), MAX_BOUND_LOG))
         binding = {k: (b, BOUND_SD**2) for k, b in bounds.items() if k not in measured and b > self._predicted_log_scale(k)}
         if binding:
             self._factor_model = self._fit_factors({**measured, **binding})
