@@ -30,10 +30,11 @@ two scales (static and activation bytes, relative to the analytic model, or to g
 factors when no model config is known, as in a replay); then the fixed activation factors (fp32,
 eager attention, checkpointing, compile, Liger) are learnt from the data, one scale per measured
 combination of them and a log-linear model of the factors for the combinations never measured,
-with out-of-memory probes as lower bounds (``MemoryModel._learn_classes``); overridden per group by
-that group's own line (peak against batch size) once it has two batch sizes measured. Measurements always win over
-predictions: an OOM at batch b means OOM for every larger b of the group (monotone inference),
-and a measured peak over the ceiling at b means over the ceiling for every larger b.
+with out-of-memory probes as lower bounds (``MemoryModel._learn_classes``); overridden per group
+by that group's own line (peak against batch size) once it has two batch sizes measured.
+Measurements always win over predictions: an OOM at batch b means OOM for every larger b of the
+group (monotone inference), and a measured peak over the ceiling at b means over the ceiling for
+every larger b.
 """
 
 from __future__ import annotations
@@ -336,7 +337,6 @@ class MemoryModel:
         if not rows:
             self._scales = prior
             return prior
-
         x = np.array([[s, b * a] for s, a, b, _ in rows])
         y = np.array([m for *_, m in rows])
         if prior is not None:  # ridge toward the analytic model: a few points refine it, never flip it
@@ -408,8 +408,8 @@ class MemoryModel:
            weighted by its own uncertainty plus :data:`CLASS_SD`), the ``delta_f`` with prior sd
            ``FACTOR_SD_*`` (0: the fixed factors are right). An out-of-memory probe's peak was above
            the ceiling (:attr:`oom_floor_bytes`) and every peak measured (the device held those):
-           where that needs more activation than the
-           class is predicted, the bound counts as a measurement of the class, and step 2 is redone;
+           where that needs more activation than the class is predicted, the bound counts as a
+           measurement of the class (at most :data:`MAX_BOUND_LOG`), and step 2 is redone;
         3. a measured class keeps its own ``u_c`` shrunk toward step 2's prediction; a class never
            measured gets step 2's prediction, at least its out-of-memory bound.
 
@@ -582,7 +582,6 @@ def _line(group: _GroupData) -> tuple[float, float] | None:
     """(intercept, slope) of the group's peak against batch size, from two or more batch sizes."""
     if len(group.fits) < 2:
         return None
-
     b = np.array(list(group.fits), dtype=float)
     m = np.array(list(group.fits.values()), dtype=float)
     slope, intercept = np.polyfit(b, m, 1)
