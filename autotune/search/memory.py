@@ -371,7 +371,7 @@ class MemoryModel:
         if group and len(group.fits) == 1:
             # One point: a sibling group's slope, else the fitted model's through the point.
             (b0, m0), = group.fits.items()
-            sibling = self._sibling_slope(params)
+            sibling = self._sibling_slope(params, slope)
             return int(m0 + (batch - b0) * (sibling if sibling is not None else slope))
         return int(scales[0] * self._static_factor * self._features(params)[0] + batch * slope)
 
@@ -480,10 +480,11 @@ class MemoryModel:
         intercept, effects = self._factor_model
         return float(intercept + effects @ np.array(key, dtype=float))
 
-    def _sibling_slope(self, params: TrialParams) -> float | None:
+    def _sibling_slope(self, params: TrialParams, own_slope: float) -> float | None:
         """Activation bytes per sample from groups with their own line and the same precision,
         attention, checkpointing and Liger kernels (they differ in optimizer or compile only), scaled
-        by the model's activation ratio between the two groups."""
+        by the model's activation ratio between the two groups (``own_slope``: the model's for
+        ``params``, :meth:`_activation_slope`)."""
         slopes = []
         for key, data in self._groups.items():
             sibling = TrialParams.from_dict({**params.to_dict(), **dict(zip(GROUP_KEYS, key))})
@@ -493,7 +494,7 @@ class MemoryModel:
                 continue
             line = _line(data)
             if line is not None:
-                slopes.append(line[1] * self._activation_slope(params) / self._activation_slope(sibling))
+                slopes.append(line[1] * own_slope / self._activation_slope(sibling))
         if not slopes:
             return None
         slopes.sort()
@@ -558,7 +559,7 @@ class MemoryModel:
         group = self._groups.get(memory_group(params))
         # An OOM in a group with no successful probe says the prediction was far off: halve.
         limit = group.oom_from // 2 if group and group.oom_from and not group.fits else None
-        if group and self.dims is None and len(group.fits) == 1 and self._sibling_slope(params) is None:
+        if group and self.dims is None and len(group.fits) == 1 and self._sibling_slope(params, self._activation_slope(params)) is None:
             # Without model dims, one point cannot split static from activation memory: grow at
             # most 4x past it, so the next probe measures the slope instead of running out of memory.
             limit = 4 * max(group.fits)
