@@ -24,15 +24,17 @@ improvement per expected probe second:
   failure is never run (a compile mode that crashed is not retried in the same context).
 * **P(fits)**: the calibrated :class:`~autotune.search.memory.MemoryModel`'s prediction against
   the ceiling, with an error that shrinks as the memory group gets measured; where a group alike
-  went over the ceiling against the prediction, the error is a truncated normal beyond that miss,
-  and where a group with no more memory went over at a smaller batch, a fit is unlikely. What
+  went over the ceiling against the prediction, the two share part of their error (correlated
+  normals: the miss shifts and narrows this group's error, a truncated normal for the group
+  itself), and where a group with no more memory went over at a smaller batch, a fit is unlikely. What
   cannot fit is pruned without running (:meth:`BayesStrategy.prune`): what the memory model rules
   out, and an OOM (or a peak over the ceiling) at batch b rules out every batch >= b in every group
   that needs no less memory (more optimizer state, no checkpointing, eager attention).
 * **Probe seconds**: start-up, compilation per mode and the measured window, learnt from the
   probes' own timings (priors until then); a failure is charged what failing costs. A probe that
   cannot finish in the time left is not proposed, nor one that would eat the time kept for
-  polishing the best configurations (another compile mode, more accumulation, one at a time:
+  polishing the best configurations (another compile mode, more accumulation, one at a time, and
+  the model's own pick among what is known to fit, which combines factors measured apart:
   :meth:`BayesStrategy._polish_reserve`), which rank late per second and pay off most; the
   variants with the largest expected improvement keep their time (at most half the budget), and
   once only that time is left the most valuable runs first.
@@ -77,7 +79,7 @@ from autotune.search.ranking import Configuration, rank_configurations
 from autotune.search.strategies.base import SearchState, SeenKeys, Strategy
 from autotune.search.strategies.baselines import tpe_sampler
 from autotune.search.strategies.failures import KINDS, FailureModel
-from autotune.search.strategies.surrogate import ACCUM, BATCH, BlockBuilder, Grid, Surrogate, expected_improvement, normal_cdf
+from autotune.search.strategies.surrogate import ACCUM, BATCH, BlockBuilder, Grid, Surrogate, expected_improvement, normal_cdf, normal_cdf_given_above
 
 WORKERS = "dataloader_num_workers"
 WARMUP_STEPS = 3  # the probe's default warm-up (ProbeSpec.warmup_steps): compilation happens there
@@ -89,7 +91,7 @@ MODEL_NOISE = 0.03  # log-scale misfit of the model on top of a probe's own nois
 PROBE_NOISE_FLOOR = 0.01
 MIN_GAIN = 0.015  # log scale: what a probe must be expected to beat the incumbent by to count
 NOTHING_YET_SPEED_WEIGHT = 0.3  # before anything fits: how much speed counts next to the chance to run
-POLISH_PROBES = 2  # polishing probes of the best configurations whose time is kept to the end
+POLISH_PROBES = 3  # polishing probes of the best configurations whose time is kept to the end
 POLISH_MARGIN = 1.3  # their predicted cost is a guess until their compile mode was timed: keep some more
 POLISH_SHARE = 0.5  # at most this share of the run's budget is kept for polishing
 MIN_SD = 0.01  # no point is certain: EI stays positive near the incumbent
@@ -102,10 +104,13 @@ MEMORY_SD = {"line": 0.03, "point": 0.10, "class": 0.10, "none": 0.30}
 PENDING_NOISE = 0.02  # a pending probe's believed outcome is weighed like a probe with this CI (a real probe's default)
 PENDING_NUMBER = 10**9  # pending probes' numbers: after every real trial's
 
-# Prior means of log samples/s effects: the expert ordering, as a starting point only.
+# Prior means of log samples/s effects: the expert ordering, as a starting point only. Siblings of
+# one kind are 0.02 apart: on Ampere and later fp16 and bf16 run the same tensor-core rate (bf16 is
+# preferred for needing no loss scaling), and sdpa dispatches to flash kernels itself; a wider gap
+# kept the sibling from being measured where it is the faster one.
 _PRIOR: dict[str, dict[Any, float]] = {
-    "precision": {"fp32": 0.0, "tf32": 0.5, "fp16": 0.85, "bf16": 0.9, "fp16+tf32": 0.85, "bf16+tf32": 0.9},
-    "attn_implementation": {"eager": 0.0, "sdpa": 0.1, "flash_attention_2": 0.15, "flash_attention_3": 0.17},
+    "precision": {"fp32": 0.0, "tf32": 0.5, "fp16": 0.88, "bf16": 0.9, "fp16+tf32": 0.88, "bf16+tf32": 0.9},
+    "attn_implementation": {"eager": 0.0, "sdpa": 0.1, "flash_attention_2": 0.12, "flash_attention_3": 0.14},
     "gradient_checkpointing": {False: 0.0, True: -0.25},
     "optim": {"adamw_torch": -0.03, "adamw_torch_fused": 0.0, "adafactor": -0.05, "adamw_bnb_8bit": 0.0},
 }
@@ -400,7 +405,8 @@ class BayesStrategy(Strategy):
         gain = self._gain(context, feasible, mean, sd, cap, allowed)
         if state.remaining_s is not None:
             # A probe that would eat into the time kept for polishing is not started.
-            reserve, polish, order = self._polish_reserve(context, state, feasible, (mean, sd, cap), p_ok, cost_ok, allowed)
+            reserve, polish, order = self._polish_reserve(context, state, feasible, (mean, sd, cap), p_ok, cost_ok,
+                                                          allowed, self._batch_grid(context, evidence.known_fit))
             if comparison is not None:
                 # The groups are compared once exploring has had its time to find each one's best
                 # (what is left is twice what polishing and the comparison need: time to polish the
@@ -643,7 +649,7 @@ class BayesStrategy(Strategy):
         return None
 
     def _polish_reserve(self, context: _Context, state: SearchState, feasible: list[Configuration], model: tuple[np.ndarray, np.ndarray, np.ndarray],
-                        p_ok: np.ndarray, cost_ok: np.ndarray, allowed: np.ndarray) -> tuple[float, np.ndarray, list[int]]:
+                        p_ok: np.ndarray, cost_ok: np.ndarray, allowed: np.ndarray, known_fit: np.ndarray) -> tuple[float, np.ndarray, list[int]]:
         """Seconds to keep for polishing the best configurations, the polishing probes themselves (a
         grid mask, and their flat indices, most valuable first).
 
@@ -651,7 +657,9 @@ class BayesStrategy(Strategy):
         mode's compilation, a step of many micro-batches), so per second they rank late, and a run
         that explores until its end never gets to them. Their most promising variants of the
         incumbent and of the best configuration with and without checkpointing, one polishing
-        dimension changed (another compile mode, or more accumulation), keep their time: the best
+        dimension changed (another compile mode, or more accumulation), and the configuration the
+        model expects fastest among those known to fit (fp16 measured faster than bf16 in one place,
+        a compile mode in another: no one-dimension variant holds both), keep their time: the best
         of each dimension, the one with the largest expected improvement over the incumbent first
         (per probe, not per second: the time is kept for them anyway; and over the incumbent
         itself, not over the best uncompiled configuration, which guides exploring, not the final
@@ -686,10 +694,21 @@ class BayesStrategy(Strategy):
                 value = float(flat["p_ok"][index] * expected_improvement(np.array(top), np.array(flat["sd"][index]), np.array(best)))
                 if value > 0 and value > best_of.get(dim, (0.0, 0.0, -1))[0]:
                     best_of[dim] = (value, float(flat["cost_ok"][index]), index)
+        # The model's own pick: the configuration it expects fastest among those known to fit (a
+        # configuration needing no more memory fitted at a batch no smaller). Factors measured in
+        # different places (fp16 beat bf16 uncompiled, max-autotune beat inductor with bf16) are
+        # combined there, which no one-dimension variant of a measured configuration does.
+        candidates = flat["allowed"] & np.broadcast_to(known_fit, grid.shape).reshape(-1)
+        if candidates.any():
+            top_all = np.minimum(flat["mean"], flat["cap"])
+            index = int(np.argmax(np.where(candidates, top_all, -np.inf)))
+            value = float(flat["p_ok"][index] * expected_improvement(np.array(top_all[index]), np.array(flat["sd"][index]), np.array(best)))
+            if value > 0:
+                best_of["model"] = (value, float(flat["cost_ok"][index]), index)
         most = POLISH_SHARE * self._budget_s if self._budget_s > 0 else math.inf
         keep = np.zeros(grid.size, dtype=bool)
         reserve, order = 0.0, []
-        for _, cost, index in sorted(best_of.values(), reverse=True)[:POLISH_PROBES]:
+        for _, cost, index in sorted(set(best_of.values()), reverse=True)[:POLISH_PROBES]:  # the model's pick may be a variant too
             if reserve + POLISH_MARGIN * cost <= most and cost <= (state.remaining_s or math.inf):
                 keep[index] = True
                 order.append(index)
@@ -729,6 +748,15 @@ class BayesStrategy(Strategy):
             return None
         return line[0] + line[1] * context.batch_values.reshape(-1)
 
+    def _memory_sd(self, context: _Context, state: SearchState, evidence: MemoryEvidence, group: int) -> float:
+        """The relative error of the memory model's peak for ``group``, by what was measured (:data:`MEMORY_SD`)."""
+        fits = evidence.fits.get(group, {})
+        if len(fits) >= 2:
+            return MEMORY_SD["line"]
+        if fits:
+            return MEMORY_SD["point"]
+        return MEMORY_SD["class" if state.memory.class_measured(self._group_params(context, group)) else "none"]
+
     def _p_fit_row(self, context: _Context, state: SearchState, evidence: MemoryEvidence, group: int) -> np.ndarray:
         """P(peak <= ceiling) along the batch axis for ``group``."""
         ceiling = state.ceiling_bytes
@@ -736,24 +764,22 @@ class BayesStrategy(Strategy):
         if model is None:
             return np.full(len(context.grid.values[BATCH]), 0.5)
         fits = evidence.fits.get(group, {})
-        kind = "line" if len(fits) >= 2 else "point" if fits else "class" if state.memory.class_measured(self._group_params(context, group)) else "none"
-        sd = MEMORY_SD[kind]
-        margin = np.log(ceiling / np.maximum(model, 1.0))  # how far under the ceiling the model puts each batch
-        floor = -np.inf
+        sd = self._memory_sd(context, state, evidence, group)
+        margin = np.log(ceiling / np.maximum(model, 1.0)) / sd  # how far under the ceiling the model puts each batch, in sds
+        p_fit = normal_cdf(margin)
         if not fits:
             # The model's log error r on a group it has not measured is ~ N(0, sd^2). Going over the
-            # ceiling where it predicted a margin m says r > m there; groups alike to that one
-            # (similarity w) are taken to share the error, so r > w m for ours: a truncated normal.
+            # ceiling where it predicted a margin m says that group's error r' > m there (r' ~
+            # N(0, sd'^2)); groups alike (similarity w) share errors: r = w r' + what is ours alone,
+            # so r and r' correlate by w sd' / sd (at most 1). The least likely fit over those
+            # conditions counts (the group itself: w = 1, a truncated normal).
             for other, j in evidence.over:
-                weight = context.groups.similarity[group, other]
+                weight = float(context.groups.similarity[group, other])
                 other_row = self._predicted_row(context, state, other) if weight > 0 else None
                 if other_row is not None:
-                    floor = max(floor, weight * math.log(ceiling / max(float(other_row[j]), 1.0)))
-        if np.isfinite(floor):
-            below = float(normal_cdf(np.array(floor / sd)))
-            p_fit = np.clip((normal_cdf(margin / sd) - below) / max(1.0 - below, 1e-9), 0.0, 1.0)
-        else:
-            p_fit = normal_cdf(margin / sd)
+                    other_sd = self._memory_sd(context, state, evidence, other)
+                    other_margin = math.log(ceiling / max(float(other_row[j]), 1.0)) / other_sd
+                    p_fit = np.minimum(p_fit, normal_cdf_given_above(margin, other_margin, min(1.0, weight * other_sd / sd)))
         for j, peak in fits.items():
             p_fit[j] = float(peak <= ceiling)
         # Over the ceiling at batch b0 (OOM or measured) in a group with no more static memory,
