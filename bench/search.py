@@ -6,11 +6,14 @@
     python -m bench.search --family design --draws 200 --budgets 10m,30m,60m   # the family (bench/family.py)
     python -m bench.search --family heldout --draws 200 --budgets 10m,30m,60m  # only once the design is frozen
     python -m bench.search --family heldout2 --draws 200 --budgets 10m,30m,60m # a second, fresh held-out range
+    python -m bench.search --family heldout3 --draws 200 --budgets 10m,30m,60m # a third, untouched until round 6 was frozen
 
 Ranges: ``design`` = draws 0-199 (design on these only), ``heldout`` = draws 100000-100199 (seen
 once with ``bayes``, after its first design), ``heldout2`` = draws 200000-200199 (added before the
-second design round and run only once it was frozen). All three come from the same frozen
-generator (``bench.family.FAMILY_VERSION``); ``heldout2`` is defined here, not in ``bench.family``.
+second design round and run only once it was frozen), ``heldout3`` = draws 300000-300199 (kept
+untouched through design rounds 3-6, run once the sixth was frozen). All four come from the same
+frozen generator (``bench.family.FAMILY_VERSION``); ``heldout2`` and ``heldout3`` are defined here,
+not in ``bench.family``.
 
 Family mode runs one search per strategy, draw and budget (separate searches, seed = the draw's
 index in its range), two processes by default, and prints per strategy and budget the median, 5th
@@ -60,13 +63,14 @@ STRATEGY_NAMES = ("bayes", "frontier", "tpe", "random")
 # First draw of each family range: bench.family's ranges plus a second held-out range, added when the
 # first held-out range had been seen once with bayes (nobody ran bayes on it before its design froze).
 HELDOUT2_START = 200_000
+HELDOUT3_START = 300_000
 
 
 def family_ranges() -> dict[str, int]:
-    """``{range name: first draw}``: ``design``, ``heldout`` (from bench.family) and ``heldout2``."""
+    """``{range name: first draw}``: ``design``, ``heldout`` (from bench.family), ``heldout2`` and ``heldout3``."""
     from bench.family import RANGES
 
-    return {**RANGES, "heldout2": HELDOUT2_START}
+    return {**RANGES, "heldout2": HELDOUT2_START, "heldout3": HELDOUT3_START}
 
 
 def bench(tables: list[str], strategies: list[str], seeds: int, budget_s: float) -> dict[str, Any]:
@@ -179,7 +183,7 @@ def _family_task(task: tuple[str, int, float, int]) -> dict[str, Any]:
 
 
 def bench_family(family: str, draws: int, strategies: list[str], budgets_s: list[float], processes: int) -> list[dict[str, Any]]:
-    """Every strategy x budget on ``draws`` landscapes of the range ``family`` (``design``, ``heldout``, ``heldout2``)."""
+    """Every strategy x budget on ``draws`` landscapes of the range ``family`` (``design``, ``heldout``, ``heldout2``, ``heldout3``)."""
     start = family_ranges()[family]
     tasks = [(strategy, start + i, budget_s, i) for i in range(draws) for strategy in strategies for budget_s in budgets_s]
     if processes <= 1:
@@ -233,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--strategies", default=",".join(STRATEGY_NAMES), help="comma-separated (default: all)")
     parser.add_argument("--seeds", type=int, default=20)
     parser.add_argument("--budget", default="30m")
-    parser.add_argument("--family", choices=("design", "heldout", "heldout2"), default=None, help="run on a family of drawn landscapes instead of tables")
+    parser.add_argument("--family", choices=("design", "heldout", "heldout2", "heldout3"), default=None, help="run on a family of drawn landscapes instead of tables")
     parser.add_argument("--draws", type=int, default=200, help="family mode: landscapes drawn from the range (default: 200)")
     parser.add_argument("--budgets", default="10m,30m,60m", help="family mode: comma-separated budgets, one search each")
     parser.add_argument("--processes", type=int, default=2, help="family mode: worker processes (default: 2)")
