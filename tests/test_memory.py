@@ -202,3 +202,23 @@ def test_an_out_of_memory_probe_bounds_its_activation_class() -> None:
     assert memory.predict(smaller) < 20 * GiB  # the fixed factor alone: it fits
     memory.observe(eager, _oom())
     assert memory.predict(smaller) > 20 * GiB
+
+
+def test_an_out_of_memory_bound_is_at_most_twenty_times_the_fixed_factor() -> None:
+    # A tiny model (0.05 GiB of activations per sample with sdpa) runs out of memory with eager
+    # attention at batch 1 under a 400 GiB ceiling. Taken at its word, that OOM implies eager takes
+    # thousands of times sdpa's activations; a bound counts at most 20x its fixed factor (eager 1.5x
+    # sdpa), so one freak OOM (a leak, another process) does not make eager unfit everywhere.
+    memory = MemoryModel(oom_floor_bytes=400 * GiB)
+    for b in (8, 16, 32):
+        params = TrialParams(precision="bf16", optim="adamw_torch_fused", per_device_train_batch_size=b)
+        memory.observe(params, _ok(int(4 * GiB + b * 0.05 * GiB)))
+    sdpa = TrialParams(precision="bf16", optim="adamw_torch_fused", per_device_train_batch_size=2)
+    eager = sdpa.replace(attn_implementation="eager")
+
+    def slope(params: TrialParams) -> float:
+        return float(memory.predict(params.replace(per_device_train_batch_size=3)) - memory.predict(params))
+
+    assert slope(eager) / slope(sdpa) == pytest.approx(1.5, rel=0.01)  # the fixed factor
+    memory.observe(eager.replace(per_device_train_batch_size=1), _oom())
+    assert 10 * 1.5 < slope(eager) / slope(sdpa) <= 20 * 1.5 * 1.01
