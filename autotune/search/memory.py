@@ -302,6 +302,7 @@ class MemoryModel:
     _factor_model: tuple[float, np.ndarray] | None = None  # (intercept, per-factor log corrections) for classes never measured
     _static_factor: float = 1.0  # the static scale's refinement by the per-class fit
     _observations: list[tuple[TrialParams, int]] = field(default_factory=list)
+    _classes_measured: set[ActivationClass] = field(default_factory=set)  # the activation classes of _observations
 
     # ---------------------------------------------------------------- learning
 
@@ -315,6 +316,7 @@ class MemoryModel:
         elif result.ok and result.peak_mem_bytes is not None:
             group.fits[batch] = max(group.fits.get(batch, 0), int(result.peak_mem_bytes))
             self._observations.append((params, int(result.peak_mem_bytes)))
+            self._classes_measured.add(activation_class(params))
             self._scales = None
             self._class_log_scale = None
 
@@ -538,8 +540,7 @@ class MemoryModel:
     def class_measured(self, params: TrialParams) -> bool:
         """Whether a group with the activation factors of ``params`` (:func:`activation_class`) has a
         measured peak: then its activations per sample are learnt, not only the fixed factors'."""
-        key = activation_class(params)
-        return any(activation_class(p) == key for p, _ in self._observations)
+        return activation_class(params) in self._classes_measured
 
     def is_calibrated(self, params: TrialParams) -> bool:
         """Whether a prediction for ``params`` is trusted to within :data:`PRUNE_MARGIN`.

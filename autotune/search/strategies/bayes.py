@@ -323,6 +323,7 @@ class _Context:
     lines_at: int = -1
     p_ok: dict[str, tuple[tuple[Any, ...], np.ndarray]] = field(default_factory=dict)  # per kind of failure, its last prediction by its key
     flat_of_key: dict[tuple[Any, ...], int | None] = field(default_factory=dict)
+    group_params: dict[int, TrialParams] = field(default_factory=dict)  # per group, a configuration of it
     main_process_loading: int | None = None  # the surrogate's feature of 0 loader workers, if the space has it
 
 
@@ -740,7 +741,9 @@ class BayesStrategy(Strategy):
     @staticmethod
     def _group_params(context: _Context, group: int) -> TrialParams:
         """A configuration of ``group`` (its other values: the grid's first)."""
-        return context.grid.params_at(0).replace(**dict(zip(context.groups.dims, context.groups.values[group])))
+        if group not in context.group_params:
+            context.group_params[group] = context.grid.params_at(0).replace(**dict(zip(context.groups.dims, context.groups.values[group])))
+        return context.group_params[group]
 
     def _predicted_row(self, context: _Context, state: SearchState, group: int) -> np.ndarray | None:
         line = self._line(context, state, group)
@@ -773,13 +776,17 @@ class BayesStrategy(Strategy):
             # N(0, sd'^2)); groups alike (similarity w) share errors: r = w r' + what is ours alone,
             # so r and r' correlate by w sd' / sd (at most 1). The least likely fit over those
             # conditions counts (the group itself: w = 1, a truncated normal).
+            # Per group alike, its largest margin missed binds (P(fits) falls as the margin rises).
+            missed: dict[int, float] = {}
             for other, j in evidence.over:
-                weight = float(context.groups.similarity[group, other])
-                other_row = self._predicted_row(context, state, other) if weight > 0 else None
+                other_row = self._predicted_row(context, state, other) if context.groups.similarity[group, other] > 0 else None
                 if other_row is not None:
-                    other_sd = self._memory_sd(context, state, evidence, other)
-                    other_margin = math.log(ceiling / max(float(other_row[j]), 1.0)) / other_sd
-                    p_fit = np.minimum(p_fit, normal_cdf_given_above(margin, other_margin, min(1.0, weight * other_sd / sd)))
+                    missed[other] = max(missed.get(other, -math.inf), math.log(ceiling / max(float(other_row[j]), 1.0)))
+            live = p_fit > 1e-12  # a miss alike only lowers P(fits) (rho >= 0): what cannot fit stays so
+            for other, other_margin in missed.items():
+                other_sd = self._memory_sd(context, state, evidence, other)
+                rho = min(1.0, float(context.groups.similarity[group, other]) * other_sd / sd)
+                p_fit[live] = np.minimum(p_fit[live], normal_cdf_given_above(margin[live], other_margin / other_sd, rho))
         for j, peak in fits.items():
             p_fit[j] = float(peak <= ceiling)
         # Over the ceiling at batch b0 (OOM or measured) in a group with no more static memory,

@@ -252,6 +252,8 @@ def normal_cdf_given_above(a: np.ndarray, b: float, rho: float) -> np.ndarray:
     ``rho`` = 1 is the truncated normal (X is Y); otherwise X | Y = y is N(rho y, 1 - rho^2),
     averaged over Y's tail beyond ``b`` by the trapezoid rule."""
     a = np.asarray(a, dtype=float)
+    if b <= -_TAIL_SPAN or rho <= 0.0:
+        return normal_cdf(a)  # the condition holds but for a mass under 1e-15, or says nothing about X
     if rho >= 1.0 - 1e-9:
         below = float(normal_cdf(np.array(b)))
         return np.clip((normal_cdf(a) - below) / max(1.0 - below, 1e-12), 0.0, 1.0)
