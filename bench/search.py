@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--strategies", default=",".join(STRATEGY_NAMES), help="comma-separated (default: all)")
     parser.add_argument("--seeds", type=int, default=20)
     parser.add_argument("--budget", default="30m")
-    parser.add_argument("--family", choices=("design", "heldout", "heldout2", "heldout3"), default=None, help="run on a family of drawn landscapes instead of tables")
+    parser.add_argument("--family", choices=tuple(family_ranges()), default=None, help="run on a family of drawn landscapes instead of tables")
     parser.add_argument("--draws", type=int, default=200, help="family mode: landscapes drawn from the range (default: 200)")
     parser.add_argument("--budgets", default="10m,30m,60m", help="family mode: comma-separated budgets, one search each")
     parser.add_argument("--processes", type=int, default=2, help="family mode: worker processes (default: 2)")

@@ -679,6 +679,12 @@ class BayesStrategy(Strategy):
         flat = {name: np.broadcast_to(a, grid.shape).reshape(-1) for name, a in
                 (("mean", mean), ("sd", sd), ("cap", cap), ("p_ok", p_ok), ("cost_ok", cost_ok), ("allowed", allowed))}
         best = math.log(feasible[0].mean_samples_per_s) + MIN_GAIN
+
+        def worth(index: int) -> float:
+            """A polishing probe's value: P(runs) x expected improvement over the incumbent, up to its loader's cap."""
+            top = min(float(flat["cap"][index]), float(flat["mean"][index]))
+            return float(flat["p_ok"][index] * expected_improvement(np.array(top), np.array(flat["sd"][index]), np.array(best)))
+
         # One polishing dimension changed at a time (a compile mode, or more accumulation): the
         # best of each keeps its time, so an expensive compilation is not crowded out by a
         # combination that costs both.
@@ -691,8 +697,7 @@ class BayesStrategy(Strategy):
                 index = grid.flat_index(state.space.with_changes(base, **changes))
                 if index is None or not flat["allowed"][index]:
                     continue
-                top = min(float(flat["cap"][index]), float(flat["mean"][index]))
-                value = float(flat["p_ok"][index] * expected_improvement(np.array(top), np.array(flat["sd"][index]), np.array(best)))
+                value = worth(index)
                 if value > 0 and value > best_of.get(dim, (0.0, 0.0, -1))[0]:
                     best_of[dim] = (value, float(flat["cost_ok"][index]), index)
         # The model's own pick: the configuration it expects fastest among those known to fit (a
@@ -701,15 +706,14 @@ class BayesStrategy(Strategy):
         # combined there, which no one-dimension variant of a measured configuration does.
         candidates = flat["allowed"] & np.broadcast_to(known_fit, grid.shape).reshape(-1)
         if candidates.any():
-            top_all = np.minimum(flat["mean"], flat["cap"])
-            index = int(np.argmax(np.where(candidates, top_all, -np.inf)))
-            value = float(flat["p_ok"][index] * expected_improvement(np.array(top_all[index]), np.array(flat["sd"][index]), np.array(best)))
+            index = int(np.argmax(np.where(candidates, np.minimum(flat["mean"], flat["cap"]), -np.inf)))
+            value = worth(index)
             if value > 0:
                 best_of["model"] = (value, float(flat["cost_ok"][index]), index)
         most = POLISH_SHARE * self._budget_s if self._budget_s > 0 else math.inf
         keep = np.zeros(grid.size, dtype=bool)
         reserve, order = 0.0, []
-        for _, cost, index in sorted(set(best_of.values()), reverse=True)[:POLISH_PROBES]:  # the model's pick may be a variant too
+        for _, cost, index in sorted(set(best_of.values()), reverse=True)[:POLISH_PROBES]:  # the model's pick may be a variant too (same worth: one entry)
             if reserve + POLISH_MARGIN * cost <= most and cost <= (state.remaining_s or math.inf):
                 keep[index] = True
                 order.append(index)

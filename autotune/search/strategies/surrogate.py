@@ -257,8 +257,7 @@ def normal_cdf_given_above(a: np.ndarray, b: float, rho: float) -> np.ndarray:
     if rho >= 1.0 - 1e-9:
         below = float(normal_cdf(np.array(b)))
         return np.clip((normal_cdf(a) - below) / max(1.0 - below, 1e-12), 0.0, 1.0)
-    low = max(b, -_TAIL_SPAN)
-    y = np.linspace(low, max(low, 0.0) + _TAIL_SPAN, _TAIL_NODES)
+    y = np.linspace(b, max(b, 0.0) + _TAIL_SPAN, _TAIL_NODES)
     weights = np.exp(-0.5 * (y * y - float(np.min(y * y))))  # the density up to a factor: no underflow far in the tail
     weights[[0, -1]] *= 0.5
     weights = weights / weights.sum()
