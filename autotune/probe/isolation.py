@@ -157,7 +157,15 @@ def enter_probe_process(log_path: str, env: dict[str, str]) -> None:
     initialises CUDA (``CUDA_VISIBLE_DEVICES`` pins the GPU); then it dies with the server (which
     dies with the driver) and keeps its own deadline (:mod:`autotune.probe.lifetime`)."""
     os.setsid()
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    except OSError as error:
+        # The run removed the probe's folder while this child was starting (Ctrl-C, SIGTERM): it is
+        # stopping and waits for nothing, so leave quietly, not with a traceback on the run's
+        # terminal. Any other reason is one line there; the run sees the exit code and no log.
+        if os.path.isdir(os.path.dirname(log_path)):
+            print(f"autotune probe: cannot write its log {log_path}: {error.strerror}", file=sys.stderr, flush=True)
+        os._exit(1)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
