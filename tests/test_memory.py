@@ -222,3 +222,27 @@ def test_an_out_of_memory_bound_is_at_most_twenty_times_the_fixed_factor() -> No
     assert slope(eager) / slope(sdpa) == pytest.approx(1.5, rel=0.01)  # the fixed factor
     memory.observe(eager.replace(per_device_train_batch_size=1), _oom())
     assert 10 * 1.5 < slope(eager) / slope(sdpa) <= 20 * 1.5 * 1.01
+
+
+def test_peaks_at_one_batch_size_teach_no_activation_factor() -> None:
+    # Two groups measured, both at batch 8 only: a peak there is static memory plus 8 samples'
+    # activations, and one batch size cannot tell the two apart, so what checkpointing keeps is not
+    # learnt from them (the groups' own lines are). A group never measured keeps the fixed factor
+    # until a second batch size is measured; then it follows the measured 30 %.
+    memory = MemoryModel()
+    plain = TrialParams(precision="bf16", optim="adamw_torch_fused", per_device_train_batch_size=8)
+    for params in (plain, plain.replace(gradient_checkpointing=True)):
+        memory.observe(params, _ok(_generic_truth(params)))
+    unseen = TrialParams(precision="bf16", optim="adafactor", per_device_train_batch_size=2)
+
+    def kept_by_checkpointing() -> float:
+        def slope(params: TrialParams) -> float:
+            return float(memory.predict(params.replace(per_device_train_batch_size=3)) - memory.predict(params))
+        return slope(unseen.replace(gradient_checkpointing=True)) / slope(unseen)
+
+    fixed = kept_by_checkpointing()
+    assert fixed == pytest.approx(0.15, abs=0.03)  # the generic factor, not the 30 % of the truth
+    memory.observe(plain.replace(per_device_train_batch_size=32), _ok(_generic_truth(plain.replace(per_device_train_batch_size=32))))
+    memory.observe(plain.replace(gradient_checkpointing=True, per_device_train_batch_size=32),
+                   _ok(_generic_truth(plain.replace(gradient_checkpointing=True, per_device_train_batch_size=32))))
+    assert kept_by_checkpointing() == pytest.approx(0.3, abs=0.05)
