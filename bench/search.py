@@ -8,7 +8,7 @@
     python -m bench.search --family heldout2 --draws 200 --budgets 10m,30m,60m # a second, fresh held-out range
     python -m bench.search --family heldout3 --draws 200 --budgets 10m,30m,60m # a third, untouched until round 6 was frozen
 
-Ranges: ``design`` = draws 0-199 (design on these only), ``heldout`` = draws 100000-100199 (seen
+Ranges: ``design`` = draws from 0 (design on these only: rounds 1-3 of #14 used 0-199, rounds 4-7 0-399), ``heldout`` = draws 100000-100199 (seen
 once with ``bayes``, after its first design), ``heldout2`` = draws 200000-200199 (added before the
 second design round and run only once it was frozen), ``heldout3`` = draws 300000-300199 (kept
 untouched through design rounds 3-6, run once the sixth was frozen). All four come from the same

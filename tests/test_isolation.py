@@ -381,14 +381,15 @@ def test_a_finished_run_removes_its_run_cache(tmp_path, monkeypatch) -> None:
 def test_a_probe_whose_folder_was_removed_while_it_started_leaves_without_a_traceback(tmp_path) -> None:
     # Ctrl-C while the server forks a probe: the run removes the probe's folder before the child
     # opens its log there. The child exits non-zero and prints nothing on the run's terminal.
-    gone = tmp_path / "autotune-probe-1" / "output.txt"
-    code = f"import os; from autotune.probe.isolation import enter_probe_process; enter_probe_process({str(gone)!r}, dict(os.environ))"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    def start_probe(log_path: Path) -> subprocess.CompletedProcess[str]:
+        code = f"import os; from autotune.probe.isolation import enter_probe_process; enter_probe_process({str(log_path)!r}, dict(os.environ))"
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+    done = start_probe(tmp_path / "autotune-probe-1" / "output.txt")
     assert done.returncode == 1 and done.stderr == ""
     # A folder that is there but cannot be written: one line that names the log.
     locked = tmp_path / "locked"
     locked.mkdir()
     (locked / "output.txt").mkdir()  # a folder where the log file should go: open fails for root too
-    code = f"import os; from autotune.probe.isolation import enter_probe_process; enter_probe_process({str(locked / 'output.txt')!r}, dict(os.environ))"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    done = start_probe(locked / "output.txt")
     assert done.returncode == 1 and done.stderr.count("\n") == 1 and "cannot write its log" in done.stderr and "Traceback" not in done.stderr

@@ -204,6 +204,11 @@ def test_an_out_of_memory_probe_bounds_its_activation_class() -> None:
     assert memory.predict(smaller) > 20 * GiB
 
 
+def _activation_slope(memory: MemoryModel, params: TrialParams) -> float:
+    """The predicted peak's growth per sample for the group of ``params`` (from its batch to batch 3)."""
+    return float(memory.predict(params.replace(per_device_train_batch_size=3)) - memory.predict(params))
+
+
 def test_an_out_of_memory_bound_is_at_most_twenty_times_the_fixed_factor() -> None:
     # A tiny model (0.05 GiB of activations per sample with sdpa) runs out of memory with eager
     # attention at batch 1 under a 400 GiB ceiling. Taken at its word, that OOM implies eager takes
@@ -215,13 +220,9 @@ def test_an_out_of_memory_bound_is_at_most_twenty_times_the_fixed_factor() -> No
         memory.observe(params, _ok(int(4 * GiB + b * 0.05 * GiB)))
     sdpa = TrialParams(precision="bf16", optim="adamw_torch_fused", per_device_train_batch_size=2)
     eager = sdpa.replace(attn_implementation="eager")
-
-    def slope(params: TrialParams) -> float:
-        return float(memory.predict(params.replace(per_device_train_batch_size=3)) - memory.predict(params))
-
-    assert slope(eager) / slope(sdpa) == pytest.approx(1.5, rel=0.01)  # the fixed factor
+    assert _activation_slope(memory, eager) / _activation_slope(memory, sdpa) == pytest.approx(1.5, rel=0.01)  # the fixed factor
     memory.observe(eager.replace(per_device_train_batch_size=1), _oom())
-    assert 10 * 1.5 < slope(eager) / slope(sdpa) <= 20 * 1.5 * 1.01
+    assert 10 * 1.5 < _activation_slope(memory, eager) / _activation_slope(memory, sdpa) <= 20 * 1.5 * 1.01
 
 
 def test_peaks_at_one_batch_size_teach_no_activation_factor() -> None:
@@ -236,9 +237,7 @@ def test_peaks_at_one_batch_size_teach_no_activation_factor() -> None:
     unseen = TrialParams(precision="bf16", optim="adafactor", per_device_train_batch_size=2)
 
     def kept_by_checkpointing() -> float:
-        def slope(params: TrialParams) -> float:
-            return float(memory.predict(params.replace(per_device_train_batch_size=3)) - memory.predict(params))
-        return slope(unseen.replace(gradient_checkpointing=True)) / slope(unseen)
+        return _activation_slope(memory, unseen.replace(gradient_checkpointing=True)) / _activation_slope(memory, unseen)
 
     fixed = kept_by_checkpointing()
     assert fixed == pytest.approx(0.15, abs=0.03)  # the generic factor, not the 30 % of the truth
