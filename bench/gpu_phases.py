@@ -896,20 +896,59 @@ def landscape_grid(grid: dict[str, tuple[Any, ...]]) -> list[TrialParams]:
 
     def key(p: TrialParams) -> tuple[Any, ...]:
         graph = (p.per_device_train_batch_size, p.precision, p.attn_implementation, p.gradient_checkpointing)
-        return (grid["torch_compile"].index(p.torch_compile), graph, p.optim, p.gradient_accumulation_steps, p.dataloader_num_workers)
+        # Compiled graphs without checkpointing first: they compile in ~30 s cold and ~10 s from the
+        # cache, checkpointed ones in ~45 s every time (H100, pythia-160m), so a lease that cannot
+        # probe them all still completes the factorial without checkpointing (complete_subgrid).
+        compiled = grid["torch_compile"].index(p.torch_compile)
+        return (compiled, compiled > 0 and p.gradient_checkpointing, graph, p.optim, p.gradient_accumulation_steps, p.dataloader_num_workers)
 
     return sorted(configs, key=lambda p: tuple(str(k) for k in key(p)))
 
 
 def complete_subgrid(grid: dict[str, tuple[Any, ...]], done: set[tuple[Any, ...]]) -> dict[str, tuple[Any, ...]] | None:
-    """The grid, or failing that the grid with ``torch_compile`` cut to its first values, whose every
-    combination has been probed (the largest full factorial that a replay table can be made of)."""
-    values = grid["torch_compile"]
-    for keep in range(len(values), 0, -1):
-        sub = {**grid, "torch_compile": values[:keep]}
-        if all(c.key() in done for c in landscape_grid(sub)):
-            return sub
-    return None
+    """The largest full factorial inside the grid whose every combination has been probed (what a
+    replay table can be made of), or None: ``torch_compile`` cut to its first values, and at most one
+    other dimension fixed to one of its values. Among equally large ones, the one with more compile
+    modes (the compiled rows are the costly ones to record), then the one fixing nothing."""
+    compile_modes = grid["torch_compile"]
+    candidates = []
+    for keep in range(len(compile_modes), 0, -1):
+        cut = {**grid, "torch_compile": compile_modes[:keep]}
+        candidates.append(cut)
+        candidates += [{**cut, name: (value,)} for name, values in grid.items() if name != "torch_compile" and len(values) > 1
+                       for value in values]
+    complete = [sub for sub in candidates if all(c.key() in done for c in landscape_grid(sub))]
+    if not complete:
+        return None
+    return max(complete, key=lambda sub: (math.prod(len(v) for v in sub.values()), len(sub["torch_compile"])))
+
+
+def narrowing(grid: dict[str, tuple[Any, ...]], sub: dict[str, tuple[Any, ...]]) -> str:
+    """How ``sub`` cuts ``grid``, as a file-name suffix: ``""`` for the whole grid, else e.g.
+    ``"-torch_compile-off"`` or ``"-gradient_checkpointing-False"``."""
+    return "".join(f"-{name}-{'-'.join(map(str, sub[name]))}" for name in grid if sub[name] != grid[name])
+
+
+def write_landscape_table(rows: dict[tuple[Any, ...], dict[str, Any]], grid: dict[str, tuple[Any, ...]], folder: Path,
+                          slug: str) -> tuple[Path, dict[str, tuple[Any, ...]]] | None:
+    """The replay table of the largest complete sub-grid of ``rows`` (landscape rows by configuration
+    key), ``landscape_<slug><narrowing>.csv.gz`` in ``folder``, checked replayable with its own
+    space; None while no sub-grid is complete."""
+    import pandas as pd
+
+    from autotune.search.replay import load_table
+
+    sub = complete_subgrid(grid, set(rows))
+    if sub is None:
+        return None
+    keys = {c.key() for c in landscape_grid(sub)}
+    frame = pd.DataFrame([rows[k] for k in rows if k in keys])
+    columns = [*PARAM_NAMES, "status", "samples_per_s", "peak_mem_bytes", "probe_s", "tokens_per_s", "mfu", "error"]
+    path = folder / f"landscape_{slug}{narrowing(grid, sub)}.csv.gz"
+    frame[columns].to_csv(path, index=False)
+    table = load_table(path)
+    table.check_space(table.space())  # every combination present: replayable with its own space
+    return path, sub
 
 
 def _landscape_ceiling(ctx: Context, model: ModelSpec) -> int | None:
@@ -928,10 +967,6 @@ def _landscape_ceiling(ctx: Context, model: ModelSpec) -> int | None:
 
 def phase_landscape(ctx: Context) -> PhaseOutput:
     """A replay table recorded on this device (every combination of a few values per dimension), then ``bench.search`` on it."""
-    import pandas as pd
-
-    from autotune.search.replay import load_table
-
     plan = ctx.plan
     model = resolve_model(plan.land_model)
     grid = plan.land_grid
@@ -954,9 +989,10 @@ def phase_landscape(ctx: Context) -> PhaseOutput:
         for params in configs:
             if params.key() in done:
                 continue
+            cut_by_box = ctx.remaining() - plan.land_reserve_s < plan.probe_cap_s
             result = ctx.probe(evaluator, params, reserve_s=plan.land_reserve_s)
-            if result is None:
-                break
+            if result is None or (cut_by_box and str(result.status) == "timeout"):
+                break  # a probe the box's end cut short is no row of the landscape: the next call probes it again
             row = {**identity, **params.to_dict(), "status": str(result.status), "samples_per_s": result.samples_per_s,
                    "tokens_per_s": result.tokens_per_s, "peak_mem_bytes": result.peak_mem_bytes, "probe_s": result.wall_s,
                    "mfu": result.mfu, "error": None if result.ok else _first_line(result.error, 200)}
@@ -967,21 +1003,17 @@ def phase_landscape(ctx: Context) -> PhaseOutput:
     statuses: dict[str, int] = {}
     for row in done.values():
         statuses[row["status"]] = statuses.get(row["status"], 0) + 1
-    sub = complete_subgrid(grid, set(done))
-    table_path = ctx.out / f"landscape_{ctx.slug}.csv.gz"
+    written = write_landscape_table(done, grid, ctx.out, ctx.slug)
     data: dict[str, Any] = {
         **identity, "grid": {k: list(v) for k, v in grid.items()}, "configurations": len(configs), "probed": len(done),
         "resumed": resumed, "statuses": statuses, "table": None, "table_rows": 0,
     }
-    if sub is not None:
-        keys = {c.key() for c in landscape_grid(sub)}
-        frame = pd.DataFrame([done[k] for k in done if k in keys])
-        columns = [*PARAM_NAMES, "status", "samples_per_s", "peak_mem_bytes", "probe_s", "tokens_per_s", "mfu", "error"]
-        frame[columns].to_csv(table_path, index=False)
-        table = load_table(table_path)
-        table.check_space(table.space())  # every combination present: replayable with its own space
-        data.update(table=table_path.name, table_rows=len(table), table_space={k: list(v) for k, v in sub.items()})
-    search = _bench_search(ctx, table_path, ceiling) if sub is not None else {"status": "not run", "error": "no complete table"}
+    sub = None
+    search: dict[str, Any] = {"status": "not run", "error": "no complete table"}
+    if written is not None:
+        table_path, sub = written
+        data.update(table=table_path.name, table_rows=math.prod(len(v) for v in sub.values()), table_space={k: list(v) for k, v in sub.items()})
+        search = _bench_search(ctx, table_path, ceiling)
     data["bench_search"] = search
     markdown = _landscape_markdown(ctx, data, search, sub)
     if len(done) < len(configs):
@@ -1022,7 +1054,8 @@ def _landscape_markdown(ctx: Context, data: dict[str, Any], search: dict[str, An
     if sub is None:
         lines.append("No complete full factorial yet, so no replay table: run `--phase landscape` again to go on.")
     else:
-        narrowed = "" if sub == ctx.plan.land_grid else f" (torch_compile limited to {list(sub['torch_compile'])}: the compiled half is not complete yet)"
+        cuts = [f"{name} limited to {list(sub[name])}" for name in data["grid"] if list(sub[name]) != data["grid"][name]]
+        narrowed = f" ({', '.join(cuts)}: the rest of the grid is not complete yet)" if cuts else ""
         lines.append(f"Replay table: `{data['table']}`, {data['table_rows']} rows{narrowed}.")
     tables = search.get("tables") or {}
     if search.get("status") == "ok" and tables:

@@ -128,10 +128,25 @@ def test_landscape_grid_is_a_full_factorial_uncompiled_first() -> None:
     assert all(len(values) >= 2 for values in grid.values())  # every dimension varies
     first_compiled = next(i for i, c in enumerate(configs) if c.torch_compile != "off")
     assert first_compiled == 128 and all(c.torch_compile != "off" for c in configs[first_compiled:])
+    # Compiled without checkpointing before compiled with it (those recompile each probe, ~45 s on an H100).
+    checkpointed = [c.gradient_checkpointing for c in configs[first_compiled:]]
+    assert checkpointed == sorted(checkpointed) and checkpointed.count(True) == 64
     done = {c.key() for c in configs[:first_compiled + 5]}
     assert gpu_phases.complete_subgrid(grid, done) == {**grid, "torch_compile": ("off",)}
+    assert gpu_phases.narrowing(grid, gpu_phases.complete_subgrid(grid, done)) == "-torch_compile-off"
     assert gpu_phases.complete_subgrid(grid, {c.key() for c in configs}) == grid
+    assert gpu_phases.narrowing(grid, grid) == ""
     assert gpu_phases.complete_subgrid(grid, set()) is None
+    # Every configuration without checkpointing (compiled or not) but only part of the checkpointed
+    # compiled ones: the compiled factorial without checkpointing beats the uncompiled one of equal size.
+    no_ckpt = {c.key() for c in configs if not c.gradient_checkpointing}
+    some_ckpt = {c.key() for c in configs[:first_compiled + 64 + 10]}
+    sub = gpu_phases.complete_subgrid(grid, no_ckpt | some_ckpt)
+    assert sub == {**grid, "gradient_checkpointing": (False,)}
+    assert gpu_phases.narrowing(grid, sub) == "-gradient_checkpointing-False"
+    # One compiled configuration without checkpointing missing: back to the uncompiled factorial.
+    one_missing = some_ckpt - {configs[first_compiled].key()}
+    assert gpu_phases.complete_subgrid(grid, one_missing) == {**grid, "torch_compile": ("off",)}
 
 
 class _MemoryBound:
@@ -224,8 +239,8 @@ def test_landscape_cut_short_writes_the_complete_half_and_goes_on_later(tmp_path
     probed: list[TrialParams] = []
 
     def fake_probe(self: gpu_phases.Context, evaluator: object, params: TrialParams, *, reserve_s: float = 0.0) -> ProbeResult | None:
-        if params.torch_compile != "off" and not allow_compiled:
-            return None  # the box ran out before the compiled half
+        if params.torch_compile != "off" and not allow_compiled:  # the box's end cuts the first compiled probe short
+            return ProbeResult(status="timeout", error="probe passed its 5 s deadline and was killed", wall_s=5.0)
         probed.append(params)
         if params.per_device_train_batch_size == 8 and params.gradient_checkpointing:
             return ProbeResult(status="oom", error="OutOfMemoryError", wall_s=1.0)
@@ -235,6 +250,8 @@ def test_landscape_cut_short_writes_the_complete_half_and_goes_on_later(tmp_path
     allow_compiled = False
     first = gpu_phases.phase_landscape(ctx)
     assert first.data["status"] == "timeout" and first.data["probed"] == 4 and first.data["table_rows"] == 4
+    rows = [json.loads(line) for line in (tmp_path / "landscape_rows.jsonl").read_text().splitlines()]
+    assert [row["status"] for row in rows].count("timeout") == 0 and len(rows) == 4  # the cut probe is no row
     table = load_table(tmp_path / first.data["table"])
     assert set(table.frame["torch_compile"]) == {"off"} and (table.frame["status"] == "oom").sum() == 1
     assert first.data["bench_search"]["status"] == "ok"
