@@ -112,3 +112,16 @@ def test_family_mode_prints_the_figures_per_strategy_and_budget(capsys) -> None:
             assert key in figures
         assert figures["returned_over_ceiling"] == 0
         assert 0.0 <= figures["worst_ratio"] <= figures["median_ratio"] <= 1.0 + 1e-9
+
+
+def test_the_held_out_ranges_are_apart_from_the_design_draws_and_each_other() -> None:
+    """Design rounds used draws 0-399; each held-out range is 200 draws from a multiple of 100,000
+    (bench.trace seeds a draw with its index in its range)."""
+    from bench.search import family_ranges
+    from bench.trace import RANGE_SPAN
+
+    ranges = family_ranges()
+    assert ranges["design"] == 0 and set(ranges) >= {"heldout", "heldout2", "heldout3", "heldout4"}
+    starts = sorted(ranges.values())
+    assert len(set(starts)) == len(starts) and all(start % RANGE_SPAN == 0 for start in starts)
+    assert all(later - earlier >= RANGE_SPAN > 400 for earlier, later in zip(starts, starts[1:]))
