@@ -77,8 +77,23 @@ def test_oom_implies_oom_for_every_larger_batch_of_the_group() -> None:
     assert memory.prune_reason(TrialParams(per_device_train_batch_size=16), 40 * GiB) is None
     other_group = TrialParams(per_device_train_batch_size=48, gradient_checkpointing=True)
     assert memory.prune_reason(other_group, 40 * GiB) is None
-    # Accumulation and workers do not change memory: same group.
+    # Accumulation and workers are no memory group of their own: a larger batch is ruled out whatever they are.
     assert memory.prune_reason(TrialParams(per_device_train_batch_size=64, gradient_accumulation_steps=4, dataloader_num_workers=2), 40 * GiB)
+
+
+def test_oom_while_accumulating_rules_out_no_less_accumulation_at_that_batch() -> None:
+    """Accumulating keeps the gradients between micro-batches (an H100 ran AdamW at batch 64 x1 and
+    ran out of memory at x2): an OOM at 32 x2 says nothing certain about 32 x1."""
+    memory = MemoryModel()
+    memory.observe(TrialParams(per_device_train_batch_size=32, gradient_accumulation_steps=2), _oom())
+    assert memory.prune_reason(TrialParams(per_device_train_batch_size=32, gradient_accumulation_steps=4), 40 * GiB) == "OOM at batch 32 x2 in the same group"
+    assert memory.prune_reason(TrialParams(per_device_train_batch_size=48), 40 * GiB) == "OOM at batch 32 x2 in the same group"
+    assert memory.known_outcome(TrialParams(per_device_train_batch_size=32), 40 * GiB) is None
+    # A fit vouches for no more accumulation at its batch, and for any at smaller ones.
+    memory.observe(TrialParams(per_device_train_batch_size=16, gradient_accumulation_steps=2), _ok(20 * GiB))
+    assert memory.known_to_fit(TrialParams(per_device_train_batch_size=16), 40 * GiB)
+    assert memory.known_to_fit(TrialParams(per_device_train_batch_size=8, gradient_accumulation_steps=8), 40 * GiB)
+    assert not memory.known_to_fit(TrialParams(per_device_train_batch_size=16, gradient_accumulation_steps=4), 40 * GiB)
 
 
 def test_measured_over_the_ceiling_rules_out_larger_batches() -> None:

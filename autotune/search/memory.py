@@ -18,9 +18,11 @@ Peak device memory of one training step is modelled as (the seeds' M ~ P.D_param
   the loss and the hidden state's gradient chunk by chunk, keeping only that gradient (``s.h``).
   A ``+tf32`` precision stores as its 16-bit base (TF32 changes how matmuls compute, not what is kept).
 
-Batch size is the only parameter of a *memory group* (precision, optim, compile, attention,
-checkpointing, Liger kernels) that changes peak memory; gradient accumulation and the DataLoader
-settings do not (pinned memory is host memory). ``torch_empty_cache_steps`` is not modelled: it
+Batch size is the parameter of a *memory group* (precision, optim, compile, attention,
+checkpointing, Liger kernels) that changes peak memory; the DataLoader settings do not (pinned memory
+is host memory). Gradient accumulation adds a little (the gradients are kept between micro-batches):
+the model predicts the same peak for it, but the measured rules treat more accumulation at the same
+batch as needing no less memory (:func:`needs_no_less_memory`). ``torch_empty_cache_steps`` is not modelled: it
 returns the allocator's cached blocks to the device between steps, which lowers what other
 processes see and can avoid a fragmentation OOM near the ceiling, but not the peak inside a step;
 it costs time (each step after it allocates afresh), which the probes measure.
@@ -33,8 +35,8 @@ combination of them and a log-linear model of the factors for the combinations n
 with out-of-memory probes as lower bounds (``MemoryModel._learn_classes``); overridden per group
 by that group's own line (peak against batch size) once it has two batch sizes measured.
 Measurements always win over predictions: an OOM at batch b means OOM for every larger b of the
-group (monotone inference), and a measured peak over the ceiling at b means over the ceiling for
-every larger b.
+group, and for b itself at no less accumulation (monotone inference), and a measured peak over the
+ceiling likewise.
 """
 
 from __future__ import annotations
@@ -278,10 +280,25 @@ def _generic_features(params: TrialParams) -> tuple[float, float]:
 # ------------------------------------------------------------------------------ calibration
 
 
+def needs_no_less_memory(batch: int, accumulation: int, other_batch: int, other_accumulation: int) -> bool:
+    """Whether a step at ``batch`` x ``accumulation`` needs no less memory than one at the other pair
+    (same memory group): a larger batch always does, and the same batch with no less accumulation
+    (accumulating keeps the gradients between micro-batches: on an H100, pythia-160m at batch 64
+    compiled peaked 1.5 GiB higher accumulating 2 than 1, and AdamW ran at 1 and ran out of memory
+    at 2). A batch step up is taken to cost more than accumulating (there, 8 samples ~0.6 GiB)."""
+    return batch > other_batch or (batch == other_batch and accumulation >= other_accumulation)
+
+
 @dataclass
 class _GroupData:
-    fits: dict[int, int] = field(default_factory=dict)  # batch -> measured peak (ok probes)
-    oom_from: int | None = None  # smallest batch that ran out of memory
+    fits: dict[int, int] = field(default_factory=dict)  # batch -> measured peak (ok probes), any accumulation
+    peaks: dict[tuple[int, int], int] = field(default_factory=dict)  # (batch, accumulation) -> measured peak
+    ooms: set[tuple[int, int]] = field(default_factory=set)  # (batch, accumulation) that ran out of memory
+
+    @property
+    def oom_from(self) -> int | None:
+        """The smallest batch that ran out of memory, at any accumulation."""
+        return min((b for b, _ in self.ooms), default=None)
 
 
 @dataclass
@@ -309,12 +326,13 @@ class MemoryModel:
     def observe(self, params: TrialParams, result: ProbeResult) -> None:
         """Record a measured outcome (``ok`` with a peak, or ``oom``); other outcomes carry no memory information."""
         group = self._groups.setdefault(memory_group(params), _GroupData())
-        batch = params.per_device_train_batch_size
+        batch, cell = params.per_device_train_batch_size, (params.per_device_train_batch_size, params.gradient_accumulation_steps)
         if result.status is ProbeStatus.OOM:
-            group.oom_from = batch if group.oom_from is None else min(group.oom_from, batch)
+            group.ooms.add(cell)
             self._class_log_scale = None  # an OOM bounds its activation class
         elif result.ok and result.peak_mem_bytes is not None:
             group.fits[batch] = max(group.fits.get(batch, 0), int(result.peak_mem_bytes))
+            group.peaks[cell] = max(group.peaks.get(cell, 0), int(result.peak_mem_bytes))
             self._observations.append((params, int(result.peak_mem_bytes)))
             self._classes_measured.add(activation_class(params))
             self._scales = None
@@ -503,23 +521,30 @@ class MemoryModel:
         return slopes[len(slopes) // 2]
 
     def known_outcome(self, params: TrialParams, ceiling_bytes: int) -> str | None:
-        """A reason this configuration cannot fit, inferred from measurements of its group (monotone in batch)."""
+        """A reason this configuration cannot fit, inferred from measurements of its group (monotone
+        in batch and accumulation: :func:`needs_no_less_memory`)."""
         group = self._groups.get(memory_group(params))
         if group is None:
             return None
-        batch = params.per_device_train_batch_size
-        if group.oom_from is not None and batch >= group.oom_from:
-            return f"OOM at batch {group.oom_from} in the same group"
-        for measured_batch, peak in sorted(group.fits.items()):
-            if measured_batch <= batch and peak > ceiling_bytes:
-                return f"measured {peak / GiB:.1f} GiB at batch {measured_batch} > ceiling {ceiling_bytes / GiB:.1f} GiB in the same group"
+        batch, accumulation = params.per_device_train_batch_size, params.gradient_accumulation_steps
+
+        def at(b: int, a: int) -> str:
+            return f"batch {b}" + (f" x{a}" if a != accumulation else "")
+
+        for b, a in sorted(group.ooms):
+            if needs_no_less_memory(batch, accumulation, b, a):
+                return f"OOM at {at(b, a)} in the same group"
+        for (b, a), peak in sorted(group.peaks.items()):
+            if needs_no_less_memory(batch, accumulation, b, a) and peak > ceiling_bytes:
+                return f"measured {peak / GiB:.1f} GiB at {at(b, a)} > ceiling {ceiling_bytes / GiB:.1f} GiB in the same group"
         return None
 
     def known_to_fit(self, params: TrialParams, ceiling_bytes: int) -> bool:
-        """True when a batch at least as large in the same group was measured under the ceiling."""
+        """True when a configuration of the same group needing no less memory (:func:`needs_no_less_memory`) was measured under the ceiling."""
         group = self._groups.get(memory_group(params))
-        batch = params.per_device_train_batch_size
-        return group is not None and any(b >= batch and m <= ceiling_bytes for b, m in group.fits.items())
+        batch, accumulation = params.per_device_train_batch_size, params.gradient_accumulation_steps
+        return group is not None and any(needs_no_less_memory(b, a, batch, accumulation) and m <= ceiling_bytes
+                                         for (b, a), m in group.peaks.items())
 
     def prune_reason(self, params: TrialParams, ceiling_bytes: int, *, margin: float = PRUNE_MARGIN) -> str | None:
         """Why ``params`` should not be run (it cannot fit under the ceiling), or ``None``."""

@@ -74,7 +74,7 @@ import optuna
 
 from autotune.params import PARAM_NAMES, TrialParams, mixed_precision_dtype
 from autotune.records import Probe, ProbeResult, ProbeStatus
-from autotune.search.memory import GROUP_KEYS, PRUNE_MARGIN, UNCALIBRATED_PRUNE_MARGIN, optimizer_state_bytes
+from autotune.search.memory import GROUP_KEYS, PRUNE_MARGIN, UNCALIBRATED_PRUNE_MARGIN, needs_no_less_memory, optimizer_state_bytes
 from autotune.search.ranking import Configuration, rank_configurations
 from autotune.search.strategies.base import SearchState, SeenKeys, Strategy
 from autotune.search.strategies.baselines import tpe_sampler
@@ -265,44 +265,62 @@ class _Groups:
 class MemoryEvidence:
     """Measured peaks and OOMs per memory group, spread to the groups they say something about.
 
-    ``ruled_out[g, j]``: an OOM, or a peak over the ceiling, at a batch no larger than batch j in a
-    group needing no more memory than g. ``known_fit[g, j]``: a peak under the ceiling at a batch
-    no smaller in a group needing no less memory (this wins: measurements of g's own are exact).
+    ``ruled_out[g, a, j]``: an OOM, or a peak over the ceiling, at a batch and accumulation (indices
+    j and a; one accumulation index where the grid has none) needing no more memory
+    (:func:`~autotune.search.memory.needs_no_less_memory`: a smaller batch, or the same batch with
+    no more accumulation) in a group needing no more memory than g. ``known_fit[g, a, j]``: a peak
+    under the ceiling at one needing no less in a group needing no less (this wins: measurements of
+    g's own are exact).
     """
 
     fits: dict[int, dict[int, int]]  # group -> batch -> measured peak
     ooms: list[tuple[int, int]]  # (group, batch index) out of memory
     over: list[tuple[int, int]]  # (group, batch index) out of memory or measured over the ceiling
-    ruled_out: np.ndarray  # groups x batches
+    ruled_out: np.ndarray  # groups x accumulations x batches
     known_fit: np.ndarray
 
     @classmethod
     def of(cls, groups: _Groups, grid: Grid, history: Iterable[Probe], ceiling: int) -> MemoryEvidence:
         batches = list(grid.values[BATCH])
+        accums: list[int] = list(grid.values[ACCUM]) if ACCUM in grid.names else [1]
         fits: dict[int, dict[int, int]] = {}
         ooms: list[tuple[int, int]] = []
         over: list[tuple[int, int]] = []
-        ruled_out = np.zeros((len(groups.codes), len(batches)), dtype=bool)
+        ruled_out = np.zeros((len(groups.codes), len(accums), len(batches)), dtype=bool)
         known_fit = np.zeros_like(ruled_out)
         for probe in history:
-            if probe.params.per_device_train_batch_size not in batches:
+            batch, accum = probe.params.per_device_train_batch_size, probe.params.gradient_accumulation_steps if ACCUM in grid.names else 1
+            if batch not in batches or accum not in accums:
                 continue
             group = groups.index(probe.params, grid)
-            j = batches.index(probe.params.per_device_train_batch_size)
+            j = batches.index(batch)
             if probe.result.status is ProbeStatus.OOM:
                 ooms.append((group, j))
                 over.append((group, j))
-                ruled_out[groups.needing_no_less_than(group), j:] = True
+                ruled_out[groups.needing_no_less_than(group)] |= _cells(accums, batches, batch, accum, no_less=True)
             elif probe.result.ok and probe.result.peak_mem_bytes is not None:
                 peak = int(probe.result.peak_mem_bytes)
                 mine = fits.setdefault(group, {})
                 mine[j] = max(mine.get(j, 0), peak)
                 if peak > ceiling:
                     over.append((group, j))
-                    ruled_out[groups.needing_no_less_than(group), j:] = True
+                    ruled_out[groups.needing_no_less_than(group)] |= _cells(accums, batches, batch, accum, no_less=True)
                 else:
-                    known_fit[groups.needing_no_more_than(group), : j + 1] = True
+                    known_fit[groups.needing_no_more_than(group)] |= _cells(accums, batches, batch, accum, no_less=False)
         return cls(fits, ooms, over, ruled_out & ~known_fit, known_fit)
+
+    @staticmethod
+    def cell(grid: Grid, params: TrialParams) -> tuple[int, int]:
+        """``params``' (accumulation, batch) indices into the second and third axes."""
+        a = grid.values[ACCUM].index(params.gradient_accumulation_steps) if ACCUM in grid.names else 0
+        return a, grid.values[BATCH].index(params.per_device_train_batch_size)
+
+
+def _cells(accums: list[int], batches: list[int], batch: int, accum: int, *, no_less: bool) -> np.ndarray:
+    """An accumulations x batches mask: the cells needing no less memory than ``batch`` x ``accum``
+    (``no_less``), or no more."""
+    return np.array([[needs_no_less_memory(b, a, batch, accum) if no_less else needs_no_less_memory(batch, accum, b, a) for b in batches]
+                     for a in accums], dtype=bool)
 
 
 # ---------------------------------------------------------------------- the strategy
@@ -348,9 +366,8 @@ class BayesStrategy(Strategy):
         if grid.flat_index(params) is None:
             return None
         evidence = MemoryEvidence.of(context.groups, grid, state.history, state.ceiling_bytes)
-        j = grid.values[BATCH].index(params.per_device_train_batch_size)
-        if evidence.ruled_out[context.groups.index(params, grid), j]:
-            return "out of memory, or over the ceiling, at a batch no larger in a group needing no more memory"
+        if evidence.ruled_out[(context.groups.index(params, grid),) + MemoryEvidence.cell(grid, params)]:
+            return "out of memory, or over the ceiling, at a batch and accumulation no larger in a group needing no more memory"
         for kind in KINDS:
             failed = FailureModel.from_history(grid, state.history, kind).certain_failure(params)
             if failed is not None:
@@ -490,16 +507,15 @@ class BayesStrategy(Strategy):
         if not in_flight:
             return []
         grid = context.grid
-        batches = list(grid.values[BATCH])
         self._refresh_lines(context, state, len(state.history))
         pending: list[tuple[TrialParams, bool]] = []
         for key in sorted(in_flight, key=repr):  # a stable order: the storage's set order is not
             params = TrialParams.from_dict(dict(zip(PARAM_NAMES, key)))
             if grid.flat_index(params) is None:
                 continue
-            group, j = context.groups.index(params, grid), batches.index(params.per_device_train_batch_size)
-            if evidence.known_fit[group, j] or evidence.ruled_out[group, j]:
-                fits = bool(evidence.known_fit[group, j])
+            group, (a, j) = context.groups.index(params, grid), MemoryEvidence.cell(grid, params)
+            if evidence.known_fit[group, a, j] or evidence.ruled_out[group, a, j]:
+                fits = bool(evidence.known_fit[group, a, j])
             else:
                 fits = bool(self._p_fit_row(context, state, evidence, group)[j] >= 0.5)
             pending.append((params, fits))
@@ -587,11 +603,19 @@ class BayesStrategy(Strategy):
             return np.exp(NOTHING_YET_SPEED_WEIGHT * (mean - top))
         # Improvements within a probe's noise are not worth a probe: count only those beyond it.
         # Compilation multiplies throughput by a factor of its own, so an uncompiled configuration
-        # that beats the best uncompiled one will beat the best compiled one once compiled: it is
-        # measured against the former, at a fraction of the cost of compiling every candidate.
+        # that beats the incumbent's uncompiled self will beat the incumbent once compiled: it is
+        # measured against that, at a fraction of the cost of compiling every candidate. The
+        # incumbent's uncompiled self is the best uncompiled configuration measured, or, where
+        # higher, the incumbent less the compile effect the model expects for it (its uncompiled
+        # self may never have run: compiled, a batch can fit that does not uncompiled).
         best_all = math.log(feasible[0].mean_samples_per_s) + MIN_GAIN
         plain = [c for c in feasible if c.params.torch_compile == "off"]
         best_plain = math.log(plain[0].mean_samples_per_s) + MIN_GAIN if plain else best_all
+        incumbent = feasible[0].params
+        here, uncompiled = grid.flat_index(incumbent), grid.flat_index(incumbent.replace(torch_compile="off"))
+        if plain and here is not None and uncompiled is not None and here != uncompiled:
+            flat_mean = np.broadcast_to(mean, grid.shape).reshape(-1)
+            best_plain = max(best_plain, best_all - max(float(flat_mean[here] - flat_mean[uncompiled]), 0.0))
         best = np.where(context.compile_values == "off", best_plain, best_all).astype(np.float32)
         cap = np.broadcast_to(cap, grid.shape)
         capped = np.isfinite(cap)
@@ -835,9 +859,9 @@ class BayesStrategy(Strategy):
         return int(np.ravel_multi_index(full, grid.shape))
 
     def _batch_grid(self, context: _Context, table: np.ndarray) -> np.ndarray:
-        """A groups x batches table as a grid-broadcastable array."""
+        """A groups x accumulations x batches table (:class:`MemoryEvidence`'s) as a grid-broadcastable array."""
         grid = context.grid
-        dims = (*context.groups.dims, BATCH)
+        dims = (*context.groups.dims, *((ACCUM,) if ACCUM in grid.names else ()), BATCH)
         shaped = table.reshape([len(grid.values[d]) for d in dims])
         order = np.argsort([grid.axis[d] for d in dims])
         return np.broadcast_to(shaped.transpose(order).reshape(grid.broadcast_shape(dims)), grid.shape)
