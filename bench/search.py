@@ -7,14 +7,16 @@
     python -m bench.search --family heldout --draws 200 --budgets 10m,30m,60m  # only once the design is frozen
     python -m bench.search --family heldout2 --draws 200 --budgets 10m,30m,60m # a second, fresh held-out range
     python -m bench.search --family heldout3 --draws 200 --budgets 10m,30m,60m # a third, untouched until round 6 was frozen
-    python -m bench.search --family heldout4 --draws 200 --budgets 10m,30m,60m # a fourth, untouched until round 8 is frozen
+    python -m bench.search --family heldout4 --draws 200 --budgets 10m,30m,60m # a fourth, run once after round 8 was frozen
+    python -m bench.search --family heldout5 --draws 200 --budgets 10m,30m,60m # a fifth, untouched until the next design is frozen
 
 Ranges: ``design`` = draws from 0 (design on these only: rounds 1-3 of #14 used 0-199, rounds 4-7 0-399), ``heldout`` = draws 100000-100199 (seen
 once with ``bayes``, after its first design), ``heldout2`` = draws 200000-200199 (added before the
 second design round and run only once it was frozen), ``heldout3`` = draws 300000-300199 (kept
 untouched through design rounds 3-6, run once the sixth was frozen), ``heldout4`` = draws
-400000-400199 (defined before design round 8, run only once it is frozen). All five come from the
-same frozen generator (``bench.family.FAMILY_VERSION``); ``heldout2`` to ``heldout4`` are defined
+400000-400199 (defined before design round 8, run once after it was frozen), ``heldout5`` = draws
+500000-500199 (defined after round 8, before any later design; untouched). All six come from the
+same frozen generator (``bench.family.FAMILY_VERSION``); ``heldout2`` to ``heldout5`` are defined
 here, not in ``bench.family``.
 
 Family mode runs one search per strategy, draw and budget (separate searches, seed = the draw's
@@ -67,13 +69,14 @@ STRATEGY_NAMES = ("bayes", "frontier", "tpe", "random")
 HELDOUT2_START = 200_000
 HELDOUT3_START = 300_000
 HELDOUT4_START = 400_000
+HELDOUT5_START = 500_000
 
 
 def family_ranges() -> dict[str, int]:
-    """``{range name: first draw}``: ``design``, ``heldout`` (from bench.family), ``heldout2`` to ``heldout4``."""
+    """``{range name: first draw}``: ``design``, ``heldout`` (from bench.family), ``heldout2`` to ``heldout5``."""
     from bench.family import RANGES
 
-    return {**RANGES, "heldout2": HELDOUT2_START, "heldout3": HELDOUT3_START, "heldout4": HELDOUT4_START}
+    return {**RANGES, "heldout2": HELDOUT2_START, "heldout3": HELDOUT3_START, "heldout4": HELDOUT4_START, "heldout5": HELDOUT5_START}
 
 
 def bench(tables: list[str], strategies: list[str], seeds: int, budget_s: float) -> dict[str, Any]:
@@ -186,7 +189,7 @@ def _family_task(task: tuple[str, int, float, int]) -> dict[str, Any]:
 
 
 def bench_family(family: str, draws: int, strategies: list[str], budgets_s: list[float], processes: int) -> list[dict[str, Any]]:
-    """Every strategy x budget on ``draws`` landscapes of the range ``family`` (``design``, ``heldout``, ``heldout2`` to ``heldout4``)."""
+    """Every strategy x budget on ``draws`` landscapes of the range ``family`` (``design``, ``heldout``, ``heldout2`` to ``heldout5``)."""
     start = family_ranges()[family]
     tasks = [(strategy, start + i, budget_s, i) for i in range(draws) for strategy in strategies for budget_s in budgets_s]
     if processes <= 1:

@@ -909,10 +909,12 @@ class BayesStrategy(Strategy):
         setups = [p.result.setup_s for p in history if p.result.setup_s]
         startup = statistics.median(setups) if setups else STARTUP_PRIOR_S
         # Compilations, per mode: of a graph compiled for the first time in this run, and of one
-        # compiled before, which inductor's cache (shared by the run's probes) may serve.
+        # compiled before, which inductor's cache (shared by the run's probes) may serve; the latter
+        # apart with and without checkpointing (on the H100 checkpointed graphs gained nothing from it).
         cold_s: dict[str, list[float]] = {}
-        cached_s: dict[str, list[float]] = {}
+        cached_s: dict[tuple[str, Any], list[float]] = {}
         graph_dims = [d for d in GRAPH_KEYS if d in grid.names]
+        ckpt = "gradient_checkpointing" if "gradient_checkpointing" in grid.names else None
         compiled: set[tuple[Any, ...]] = set()
         windows, steps = [], []
         for probe in history:
@@ -922,8 +924,11 @@ class BayesStrategy(Strategy):
             warmup = r.warmup_s if r.warmup_s is not None else WARMUP_STEPS * r.step_time_s
             if probe.params.torch_compile != "off":
                 graph = tuple(getattr(probe.params, d) for d in graph_dims)
-                (cached_s if graph in compiled else cold_s).setdefault(probe.params.torch_compile, []).append(
-                    max(warmup - WARMUP_STEPS * r.step_time_s, 0.0))
+                compile_s = max(warmup - WARMUP_STEPS * r.step_time_s, 0.0)
+                if graph in compiled:
+                    cached_s.setdefault((probe.params.torch_compile, getattr(probe.params, ckpt) if ckpt else None), []).append(compile_s)
+                else:
+                    cold_s.setdefault(probe.params.torch_compile, []).append(compile_s)
                 compiled.add(graph)
             window = r.wall_s - (r.setup_s or startup) - warmup
             if window > 0:
@@ -932,7 +937,7 @@ class BayesStrategy(Strategy):
         # The window is the longer of a time floor and a step count: the smallest of each seen bounds them.
         window_s, window_steps = (min(windows), min(steps)) if windows else WINDOW_PRIOR
         known = {m: statistics.median(v) for m, v in cold_s.items() if v}
-        table, again = [], []
+        table = []
         for mode in grid.values["torch_compile"]:
             if mode == "off":
                 table.append(0.0)
@@ -943,14 +948,18 @@ class BayesStrategy(Strategy):
                 table.append(MAX_AUTOTUNE_COMPILE_FACTOR * max(known.values()) if known else COMPILE_PRIOR_S["max-autotune"])
             else:
                 table.append(statistics.median(list(known.values())) if known else COMPILE_PRIOR_S["default"])
-            # A graph compiled before costs what such compilations measured (no cheaper until one was).
-            again.append(min(statistics.median(cached_s[mode]), table[-1]) if cached_s.get(mode) else table[-1])
         modes = list(grid.values["torch_compile"])
         compile_grid = np.array(table).reshape(grid.broadcast_shape(("torch_compile",)))
+
+        def again(**v: Any) -> float:
+            """A graph compiled before: what such recompilations measured (no cheaper until one was)."""
+            first = table[modes.index(v["torch_compile"])]
+            measured = cached_s.get((v["torch_compile"], v[ckpt] if ckpt else None))
+            return min(statistics.median(measured), first) if measured else first
+
         if compiled and cached_s:
             seen = grid.along(graph_dims, lambda **v: float(tuple(v[d] for d in graph_dims) in compiled)) > 0
-            again_grid = grid.along(("torch_compile",), lambda **v: again[modes.index(v["torch_compile"])])
-            compile_grid = np.where(seen, again_grid, compile_grid)
+            compile_grid = np.where(seen, grid.along(("torch_compile",) + ((ckpt,) if ckpt else ()), again), compile_grid)
         step_s = context.accum_values * context.batch_values / np.exp(mean)
         cost_ok = startup + compile_grid + WARMUP_STEPS * step_s + np.maximum(window_s, window_steps * step_s)
         cost_fail = startup + 0.5 * compile_grid + step_s / np.maximum(context.accum_values, 1.0)
