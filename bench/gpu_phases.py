@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from autotune.models import ModelSpec, resolve_model
-from autotune.params import PARAM_DEFAULTS, PARAM_NAMES, PRECISIONS, TrialParams
+from autotune.params import COMPILED_GRAPH_PARAMS, PARAM_DEFAULTS, PARAM_NAMES, PRECISIONS, TrialParams
 from autotune.probe.evaluator import ProbeEvaluator
 from autotune.records import DeviceInfo, ProbeResult, ProbeStatus
 from autotune.units import format_bytes, format_duration
@@ -895,7 +895,7 @@ def landscape_grid(grid: dict[str, tuple[Any, ...]]) -> list[TrialParams]:
                for combo in itertools.product(*(grid.get(n, (PARAM_DEFAULTS[n],)) for n in PARAM_NAMES))]  # a knob the grid does not name: its default
 
     def key(p: TrialParams) -> tuple[Any, ...]:
-        graph = (p.per_device_train_batch_size, p.precision, p.attn_implementation, p.gradient_checkpointing)
+        graph = tuple(getattr(p, name) for name in COMPILED_GRAPH_PARAMS)
         # Compiled graphs without checkpointing first: they compile in ~30 s cold and ~10 s from the
         # cache, checkpointed ones in ~45 s every time (H100, pythia-160m), so a lease that cannot
         # probe them all still completes the factorial without checkpointing (complete_subgrid).

@@ -291,9 +291,16 @@ def needs_no_less_memory(batch: int, accumulation: int, other_batch: int, other_
 
 @dataclass
 class _GroupData:
-    fits: dict[int, int] = field(default_factory=dict)  # batch -> measured peak (ok probes), any accumulation
-    peaks: dict[tuple[int, int], int] = field(default_factory=dict)  # (batch, accumulation) -> measured peak
+    peaks: dict[tuple[int, int], int] = field(default_factory=dict)  # (batch, accumulation) -> measured peak (ok probes)
     ooms: set[tuple[int, int]] = field(default_factory=set)  # (batch, accumulation) that ran out of memory
+
+    @property
+    def fits(self) -> dict[int, int]:
+        """Batch -> the largest peak measured at it, at any accumulation (the group's line)."""
+        fits: dict[int, int] = {}
+        for (batch, _), peak in self.peaks.items():
+            fits[batch] = max(fits.get(batch, 0), peak)
+        return fits
 
     @property
     def oom_from(self) -> int | None:
@@ -326,12 +333,11 @@ class MemoryModel:
     def observe(self, params: TrialParams, result: ProbeResult) -> None:
         """Record a measured outcome (``ok`` with a peak, or ``oom``); other outcomes carry no memory information."""
         group = self._groups.setdefault(memory_group(params), _GroupData())
-        batch, cell = params.per_device_train_batch_size, (params.per_device_train_batch_size, params.gradient_accumulation_steps)
+        cell = (params.per_device_train_batch_size, params.gradient_accumulation_steps)
         if result.status is ProbeStatus.OOM:
             group.ooms.add(cell)
             self._class_log_scale = None  # an OOM bounds its activation class
         elif result.ok and result.peak_mem_bytes is not None:
-            group.fits[batch] = max(group.fits.get(batch, 0), int(result.peak_mem_bytes))
             group.peaks[cell] = max(group.peaks.get(cell, 0), int(result.peak_mem_bytes))
             self._observations.append((params, int(result.peak_mem_bytes)))
             self._classes_measured.add(activation_class(params))
@@ -378,9 +384,10 @@ class MemoryModel:
         """Predicted peak bytes of ``params``; ``None`` before anything is known (no dims, no measurement)."""
         group = self._groups.get(memory_group(params))
         batch = params.per_device_train_batch_size
-        if group and batch in group.fits:
-            return group.fits[batch]
-        line = _line(group) if group else None
+        fits = group.fits if group else {}
+        if batch in fits:
+            return fits[batch]
+        line = _line(fits)
         if line is not None:  # the group's own line
             intercept, slope = line
             return int(intercept + slope * batch)
@@ -388,9 +395,9 @@ class MemoryModel:
         if scales is None:
             return None
         slope = self._activation_slope(params)
-        if group and len(group.fits) == 1:
+        if len(fits) == 1:
             # One point: a sibling group's slope, else the fitted model's through the point.
-            (b0, m0), = group.fits.items()
+            (b0, m0), = fits.items()
             sibling = self._sibling_slope(params, slope)
             return int(m0 + (batch - b0) * (sibling if sibling is not None else slope))
         return int(scales[0] * self._static_factor * self._features(params)[0] + batch * slope)
@@ -512,7 +519,7 @@ class MemoryModel:
                 sibling.precision, sibling.attn_implementation, sibling.gradient_checkpointing, sibling.use_liger_kernel
             ) != (params.precision, params.attn_implementation, params.gradient_checkpointing, params.use_liger_kernel):
                 continue
-            line = _line(data)
+            line = _line(data.fits)
             if line is not None:
                 slopes.append(line[1] * own_slope / self._activation_slope(sibling))
         if not slopes:
@@ -605,11 +612,11 @@ class MemoryModel:
         return best
 
 
-def _line(group: _GroupData) -> tuple[float, float] | None:
-    """(intercept, slope) of the group's peak against batch size, from two or more batch sizes."""
-    if len(group.fits) < 2:
+def _line(fits: dict[int, int]) -> tuple[float, float] | None:
+    """(intercept, slope) of a group's peak against batch size (``_GroupData.fits``), from two or more batch sizes."""
+    if len(fits) < 2:
         return None
-    b = np.array(list(group.fits), dtype=float)
-    m = np.array(list(group.fits.values()), dtype=float)
+    b = np.array(list(fits), dtype=float)
+    m = np.array(list(fits.values()), dtype=float)
     slope, intercept = np.polyfit(b, m, 1)
     return (float(intercept), float(slope)) if slope > 0 else None

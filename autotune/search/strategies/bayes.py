@@ -73,7 +73,7 @@ from typing import Any
 import numpy as np
 import optuna
 
-from autotune.params import PARAM_NAMES, TrialParams, mixed_precision_dtype
+from autotune.params import COMPILED_GRAPH_PARAMS, PARAM_NAMES, TrialParams, mixed_precision_dtype
 from autotune.records import Probe, ProbeResult, ProbeStatus
 from autotune.search.memory import GROUP_KEYS, PRUNE_MARGIN, UNCALIBRATED_PRUNE_MARGIN, needs_no_less_memory, optimizer_state_bytes
 from autotune.search.ranking import Configuration, rank_configurations
@@ -87,10 +87,6 @@ WARMUP_STEPS = 3  # the probe's default warm-up (ProbeSpec.warmup_steps): compil
 STARTUP_PRIOR_S = 30.0
 COMPILE_PRIOR_S = {"default": 60.0, "max-autotune": 200.0}  # before a compiled probe was timed
 MAX_AUTOTUNE_COMPILE_FACTOR = 3.0  # max-autotune's compilation over the plain mode's, until timed
-# What a compiled graph depends on (Trainer compiles the model: not the optimizer, the accumulation or
-# the loader). On an H100 (pythia-160m) a graph compiled again took ~10 s from inductor's cache
-# against ~30-42 s the first time; with checkpointing ~40 s every time.
-GRAPH_KEYS = ("per_device_train_batch_size", "precision", "attn_implementation", "gradient_checkpointing", "use_liger_kernel", "torch_compile")
 WINDOW_PRIOR = (20.0, 8.0)  # measured window: at least this many seconds, or this many steps
 MODEL_NOISE = 0.03  # log-scale misfit of the model on top of a probe's own noise
 PROBE_NOISE_FLOOR = 0.01
@@ -913,7 +909,7 @@ class BayesStrategy(Strategy):
         # apart with and without checkpointing (on the H100 checkpointed graphs gained nothing from it).
         cold_s: dict[str, list[float]] = {}
         cached_s: dict[tuple[str, Any], list[float]] = {}
-        graph_dims = [d for d in GRAPH_KEYS if d in grid.names]
+        graph_dims = [d for d in COMPILED_GRAPH_PARAMS if d in grid.names]
         ckpt = "gradient_checkpointing" if "gradient_checkpointing" in grid.names else None
         compiled: set[tuple[Any, ...]] = set()
         windows, steps = [], []
