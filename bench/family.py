@@ -426,6 +426,7 @@ class FamilyEvaluator:
     probes: int = 0
     oom_probes: int = 0
     log: list[tuple[float, TrialParams, ProbeResult]] | None = None  # (virtual start s, configuration, result) per probe, if a list is given
+    noise_stream: int = 0  # 0: the family's probe noise; another number: an independent redraw of it (bench.search --noise-stream)
     _repeats: dict[tuple[Any, ...], int] = field(default_factory=dict)
 
     def evaluate(self, params: TrialParams, *, timeout_s: float) -> ProbeResult:
@@ -455,7 +456,8 @@ class FamilyEvaluator:
         key = params.key()[: len(FAMILY_PARAMS)]  # the family's parameters come first in PARAM_NAMES
         repeat = self._repeats.get(key, 0)
         self._repeats[key] = repeat + 1
-        rng = np.random.default_rng([FAMILY_VERSION, self.landscape.shape.draw, _key_hash(key), repeat])
+        seed = [FAMILY_VERSION, self.landscape.shape.draw, _key_hash(key), repeat] + ([self.noise_stream] if self.noise_stream else [])
+        rng = np.random.default_rng(seed)
         samples_per_s = float(out.samples_per_s[0]) * math.exp(rng.normal(0.0, self.landscape.shape.noise))
         wait = float(out.input_wait[0])
         return ProbeResult(

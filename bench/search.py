@@ -8,22 +8,31 @@
     python -m bench.search --family heldout2 --draws 200 --budgets 10m,30m,60m # a second, fresh held-out range
     python -m bench.search --family heldout3 --draws 200 --budgets 10m,30m,60m # a third, untouched until round 6 was frozen
     python -m bench.search --family heldout4 --draws 200 --budgets 10m,30m,60m # a fourth, run once after round 8 was frozen
-    python -m bench.search --family heldout5 --draws 200 --budgets 10m,30m,60m # a fifth, untouched until the next design is frozen
+    python -m bench.search --family heldout5 --draws 200 --budgets 10m,30m,60m # a fifth, run once on round 8's strategy (2026-11-23)
+    python -m bench.search --family heldout6 --draws 200 --budgets 10m,30m,60m # a sixth, untouched until the next design is frozen
+    python -m bench.search --family design --draws 400 --budgets 30m --strategies bayes --details after.csv
+    python -m bench.search --compare before.csv after.csv    # paired, draw by draw, with the 5th percentile's bootstrap interval
+    python -m bench.search --family design --draws 400 --budgets 30m --strategies bayes --noise-stream 1  # the same, other probe noise
 
 Ranges: ``design`` = draws from 0 (design on these only: rounds 1-3 of #14 used 0-199, rounds 4-7 0-399), ``heldout`` = draws 100000-100199 (seen
 once with ``bayes``, after its first design), ``heldout2`` = draws 200000-200199 (added before the
 second design round and run only once it was frozen), ``heldout3`` = draws 300000-300199 (kept
 untouched through design rounds 3-6, run once the sixth was frozen), ``heldout4`` = draws
 400000-400199 (defined before design round 8, run once after it was frozen), ``heldout5`` = draws
-500000-500199 (defined after round 8, before any later design; untouched). All six come from the
-same frozen generator (``bench.family.FAMILY_VERSION``); ``heldout2`` to ``heldout5`` are defined
-here, not in ``bench.family``.
+500000-500199 (defined after round 8, run once on round 8's strategy, unchanged, to see how far two
+ranges differ), ``heldout6`` = draws 600000-600199 (defined then, before any later design;
+untouched). All seven come from the same frozen generator (``bench.family.FAMILY_VERSION``);
+``heldout2`` to ``heldout6`` are defined here, not in ``bench.family``.
 
 Family mode runs one search per strategy, draw and budget (separate searches, seed = the draw's
 index in its range), two processes by default, and prints per strategy and budget the median, 5th
 percentile and worst ratio of the found configuration's noise-free samples/s to the landscape's
-noise-free optimum under its ceiling, the OOM probes launched, and the configurations returned
-over the ceiling; ``--details FILE.csv`` keeps one row per search.
+noise-free optimum under its ceiling (with a 90 % bootstrap interval of the 5th percentile over
+the draws: it rests on the dozen worst), the OOM probes launched, and the configurations returned
+over the ceiling; ``--details FILE.csv`` keeps one row per search. ``--noise-stream N`` redraws
+every probe's noise (an independent repeat of the same searches: what chance alone moves);
+``--compare BEFORE.csv AFTER.csv`` pairs two ``--details`` files draw by draw
+(:func:`compare_details`) and runs no search.
 
 Every strategy runs over every seed on every table (TABLE[:CEILING], default ceiling 40GiB) with a
 virtual budget (default 30 minutes). Per table and strategy it prints the median and worst ratio of
@@ -70,13 +79,17 @@ HELDOUT2_START = 200_000
 HELDOUT3_START = 300_000
 HELDOUT4_START = 400_000
 HELDOUT5_START = 500_000
+HELDOUT6_START = 600_000
+CHANGED = 0.005  # --compare: a draw whose ratio moved more than this changed
+BOOTSTRAP_RESAMPLES = 2000
 
 
 def family_ranges() -> dict[str, int]:
-    """``{range name: first draw}``: ``design``, ``heldout`` (from bench.family), ``heldout2`` to ``heldout5``."""
+    """``{range name: first draw}``: ``design``, ``heldout`` (from bench.family), ``heldout2`` to ``heldout6``."""
     from bench.family import RANGES
 
-    return {**RANGES, "heldout2": HELDOUT2_START, "heldout3": HELDOUT3_START, "heldout4": HELDOUT4_START, "heldout5": HELDOUT5_START}
+    return {**RANGES, "heldout2": HELDOUT2_START, "heldout3": HELDOUT3_START, "heldout4": HELDOUT4_START, "heldout5": HELDOUT5_START,
+            "heldout6": HELDOUT6_START}
 
 
 def bench(tables: list[str], strategies: list[str], seeds: int, budget_s: float) -> dict[str, Any]:
@@ -134,13 +147,14 @@ def print_table(summary: dict[str, Any], budget_s: float) -> None:
 # ---------------------------------------------------------------------- the family
 
 
-def family_search(strategy: Any, draw: int, budget_s: float, seed: int, log: list[Any] | None = None, evaluator: Any = None) -> dict[str, Any]:
+def family_search(strategy: Any, draw: int, budget_s: float, seed: int, log: list[Any] | None = None, evaluator: Any = None,
+                  noise_stream: int = 0) -> dict[str, Any]:
     """One search on one drawn landscape; the found configuration scored noise-free.
 
     ``strategy`` is a name, or a strategy instance (``bench.trace`` passes one that records its
     model); ``log``, if given, receives ``(virtual start s, configuration, result)`` per probe;
     ``evaluator`` replaces the draw's :class:`~bench.family.FamilyEvaluator` (one over the same
-    landscape, :func:`_landscape`)."""
+    landscape, :func:`_landscape`); ``noise_stream`` redraws the probes' noise (0: the family's own)."""
     import optuna
 
     from autotune.search.loop import SearchSettings, ranked_configurations, run_search
@@ -151,7 +165,7 @@ def family_search(strategy: Any, draw: int, budget_s: float, seed: int, log: lis
     landscape = _landscape(draw)
     true_params, true_sps = landscape.true_best()
     if evaluator is None:
-        evaluator = FamilyEvaluator(landscape, log=log)
+        evaluator = FamilyEvaluator(landscape, log=log, noise_stream=noise_stream)
     chosen = make_strategy(strategy) if isinstance(strategy, str) else strategy
     study = optuna.create_study(direction="maximize", sampler=chosen.sampler(seed))
     settings = SearchSettings(memory_ceiling_bytes=landscape.ceiling_bytes, budget_s=budget_s, seed=seed, min_probe_s=1.0)
@@ -184,14 +198,15 @@ def _landscape(draw: int) -> Any:
     return _LANDSCAPES[draw]
 
 
-def _family_task(task: tuple[str, int, float, int]) -> dict[str, Any]:
-    return family_search(*task)
+def _family_task(task: tuple[str, int, float, int, int]) -> dict[str, Any]:
+    strategy, draw, budget_s, seed, noise_stream = task
+    return family_search(strategy, draw, budget_s, seed, noise_stream=noise_stream)
 
 
-def bench_family(family: str, draws: int, strategies: list[str], budgets_s: list[float], processes: int) -> list[dict[str, Any]]:
-    """Every strategy x budget on ``draws`` landscapes of the range ``family`` (``design``, ``heldout``, ``heldout2`` to ``heldout5``)."""
+def bench_family(family: str, draws: int, strategies: list[str], budgets_s: list[float], processes: int, noise_stream: int = 0) -> list[dict[str, Any]]:
+    """Every strategy x budget on ``draws`` landscapes of the range ``family`` (``design``, ``heldout``, ``heldout2`` to ``heldout6``)."""
     start = family_ranges()[family]
-    tasks = [(strategy, start + i, budget_s, i) for i in range(draws) for strategy in strategies for budget_s in budgets_s]
+    tasks = [(strategy, start + i, budget_s, i, noise_stream) for i in range(draws) for strategy in strategies for budget_s in budgets_s]
     if processes <= 1:
         return [_family_task(t) for t in tasks]
     with multiprocessing.get_context("fork").Pool(processes) as pool:
@@ -206,10 +221,14 @@ def family_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, 
             mine = [r for r in rows if r["strategy"] == strategy and r["budget_s"] == budget_s]
             ratios = np.array([r["ratio"] for r in mine])
             ooms = [r["oom_probes"] for r in mine]
+            # How far the 5th percentile rests on which draws came up: a bootstrap over them.
+            picks = np.random.default_rng(0).integers(0, len(ratios), size=(BOOTSTRAP_RESAMPLES, len(ratios)))
+            p5_90 = np.percentile(np.percentile(ratios[picks], 5, axis=1), [5, 95])
             summary.setdefault(strategy, {})[f"{budget_s / 60:g}m"] = {
                 "draws": len(mine),
                 "median_ratio": round(float(np.median(ratios)), 4),
                 "p5_ratio": round(float(np.percentile(ratios, 5)), 4),
+                "p5_ratio_90": [round(float(x), 4) for x in p5_90],
                 "worst_ratio": round(float(ratios.min()), 4),
                 "below_095": int((ratios < 0.95).sum()),
                 "oom_probes_total": int(sum(ooms)),
@@ -222,19 +241,83 @@ def family_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, 
     return summary
 
 
+def _interval(bounds: list[float]) -> str:
+    return f"[{bounds[0]:.3f}, {bounds[1]:.3f}]"
+
+
 def print_family(summary: dict[str, dict[str, dict[str, Any]]], family: str, draws: int) -> None:
     print(f"family {family}: {draws} draws, one search per strategy, draw and budget")
-    header = (f"{'strategy':<9} {'budget':>6} {'median':>7} {'p5':>7} {'worst':>7} {'<0.95':>6} {'OOMs':>6} {'OOM/run':>8} "
+    header = (f"{'strategy':<9} {'budget':>6} {'median':>7} {'p5':>7} {'p5 90% bootstrap':>17} {'worst':>7} {'<0.95':>6} {'OOMs':>6} {'OOM/run':>8} "
               f"{'over ceiling':>13} {'none found':>11} {'probes/run':>11} {'cpu s/run':>10}")
     print(header)
     print("-" * len(header))
     for strategy, budgets in summary.items():
         for budget, f in budgets.items():
             print(
-                f"{strategy:<9} {budget:>6} {f['median_ratio']:>7.3f} {f['p5_ratio']:>7.3f} {f['worst_ratio']:>7.3f} {f['below_095']:>6} "
+                f"{strategy:<9} {budget:>6} {f['median_ratio']:>7.3f} {f['p5_ratio']:>7.3f} {_interval(f['p5_ratio_90']):>17} "
+                f"{f['worst_ratio']:>7.3f} {f['below_095']:>6} "
                 f"{f['oom_probes_total']:>6} {f['oom_probes_mean']:>8.2f} {f['returned_over_ceiling']:>13} {f['nothing_found']:>11} "
                 f"{f['probes_mean']:>11.1f} {f['cpu_s_per_search']:>10.3f}"
             )
+
+
+def read_details(path: str) -> dict[tuple[str, float], dict[int, float]]:
+    """A ``--details`` CSV as ``{(strategy, budget s): {draw: ratio}}``."""
+    out: dict[tuple[str, float], dict[int, float]] = {}
+    with open(path, newline="") as handle:
+        for row in csv.DictReader(handle):
+            out.setdefault((row["strategy"], float(row["budget_s"])), {})[int(row["draw"])] = float(row["ratio"])
+    return out
+
+
+def compare_details(before: dict[tuple[str, float], dict[int, float]], after: dict[tuple[str, float], dict[int, float]],
+                    seed: int = 0) -> dict[str, dict[str, dict[str, Any]]]:
+    """Two runs on the same draws, paired draw by draw, per strategy and budget they share.
+
+    The 5th percentile of a few hundred draws rests on its dozen worst, so any change to a strategy
+    moves it by chance as well: a paired bootstrap over the draws (the same resample scored before
+    and after) gives a 90 % interval of its change. Also: draws changed beyond :data:`CHANGED`, the
+    sum of their changes, and each side's median, 5th percentile, worst and count below 0.95.
+    """
+    rng = np.random.default_rng(seed)
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for key in [k for k in before if k in after]:
+        draws = sorted(set(before[key]) & set(after[key]))
+        if not draws:
+            continue
+        a = np.array([before[key][d] for d in draws])
+        b = np.array([after[key][d] for d in draws])
+        picks = rng.integers(0, len(draws), size=(BOOTSTRAP_RESAMPLES, len(draws)))
+        delta_p5 = np.percentile(b[picks], 5, axis=1) - np.percentile(a[picks], 5, axis=1)
+        moved = b - a
+        out.setdefault(key[0], {})[f"{key[1] / 60:g}m"] = {
+            "draws": len(draws),
+            "changed": int((np.abs(moved) > CHANGED).sum()),
+            "sum_change": round(float(moved.sum()), 3),
+            "before": _figures(a),
+            "after": _figures(b),
+            "p5_change": round(float(np.percentile(b, 5) - np.percentile(a, 5)), 4),
+            "p5_change_90": [round(float(x), 4) for x in np.percentile(delta_p5, [5, 95])],
+        }
+    return out
+
+
+def _figures(ratios: np.ndarray) -> dict[str, Any]:
+    return {"median": round(float(np.median(ratios)), 4), "p5": round(float(np.percentile(ratios, 5)), 4),
+            "worst": round(float(ratios.min()), 4), "below_095": int((ratios < 0.95).sum())}
+
+
+def print_comparison(comparison: dict[str, dict[str, dict[str, Any]]]) -> None:
+    header = f"{'strategy':<9} {'budget':>6} {'draws':>6} {'changed':>8} {'sum':>7}  {'median':>13} {'p5':>13} {'worst':>13} {'<0.95':>9}  p5 change (90% paired bootstrap)"
+    print(header)
+    print("-" * len(header))
+    for strategy, budgets in comparison.items():
+        for budget, f in budgets.items():
+            x, y = f["before"], f["after"]
+            low, high = f["p5_change_90"]
+            print(f"{strategy:<9} {budget:>6} {f['draws']:>6} {f['changed']:>8} {f['sum_change']:>+7.2f}  {x['median']:.3f}->{y['median']:.3f} "
+                  f"{x['p5']:.3f}->{y['p5']:.3f} {x['worst']:.3f}->{y['worst']:.3f} {x['below_095']:>4}->{y['below_095']:<4}  "
+                  f"{f['p5_change']:+.3f} [{low:+.3f}, {high:+.3f}]")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -248,11 +331,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budgets", default="10m,30m,60m", help="family mode: comma-separated budgets, one search each")
     parser.add_argument("--processes", type=int, default=2, help="family mode: worker processes (default: 2)")
     parser.add_argument("--details", default=None, help="family mode: write one CSV row per search here")
+    parser.add_argument("--noise-stream", type=int, default=0,
+                        help="family mode: redraw the probes' noise (0: the family's own; another number: an independent draw of it)")
+    parser.add_argument("--compare", nargs=2, metavar=("BEFORE.csv", "AFTER.csv"), default=None,
+                        help="compare two --details files of the same draws, paired (no search runs)")
     args = parser.parse_args(argv)
+    if args.compare:
+        try:
+            before, after = (read_details(path) for path in args.compare)
+        except (OSError, KeyError, ValueError) as error:
+            print(f"error: --compare needs two --details CSV files from bench.search --family: {error}", file=sys.stderr)
+            return 2
+        comparison = compare_details(before, after)
+        if not comparison:
+            print("error: the two files share no strategy, budget and draw: compare runs of the same --family range", file=sys.stderr)
+            return 2
+        print_comparison(comparison)
+        print(json.dumps(comparison, sort_keys=True))
+        return 0
     if args.family:
         started = time.monotonic()
         budgets_s = [parse_duration_s(b) for b in args.budgets.split(",")]
-        rows = bench_family(args.family, args.draws, args.strategies.split(","), budgets_s, args.processes)
+        rows = bench_family(args.family, args.draws, args.strategies.split(","), budgets_s, args.processes, args.noise_stream)
         elapsed_s = time.monotonic() - started
         if args.details:
             with open(args.details, "w", newline="") as handle:

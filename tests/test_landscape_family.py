@@ -81,6 +81,8 @@ def test_a_probe_is_charged_to_the_clock_and_its_noise_is_reproducible(landscape
     assert second.evaluate(best, timeout_s=10_000).samples_per_s == a.samples_per_s  # same draw, same probe: same noise
     again = first.evaluate(best, timeout_s=10_000)
     assert again.samples_per_s != a.samples_per_s  # a re-measure draws new noise
+    other = FamilyEvaluator(landscape, noise_stream=1).evaluate(best, timeout_s=10_000)
+    assert other.samples_per_s != a.samples_per_s and other.samples_per_s == pytest.approx(sps, rel=0.15)  # another stream: other noise
     short = first.evaluate(best, timeout_s=1.0)
     assert short.status is ProbeStatus.TIMEOUT and first.clock.now() == pytest.approx(2 * a.wall_s + 1.0)
 
@@ -112,6 +114,8 @@ def test_family_mode_prints_the_figures_per_strategy_and_budget(capsys) -> None:
             assert key in figures
         assert figures["returned_over_ceiling"] == 0
         assert 0.0 <= figures["worst_ratio"] <= figures["median_ratio"] <= 1.0 + 1e-9
+        low, high = figures["p5_ratio_90"]  # the bootstrap's resamples hold only the draws' own ratios
+        assert figures["worst_ratio"] <= low <= high <= max(figures["median_ratio"], 1.0)
 
 
 def test_the_held_out_ranges_are_apart_from_the_design_draws_and_each_other() -> None:
@@ -121,7 +125,44 @@ def test_the_held_out_ranges_are_apart_from_the_design_draws_and_each_other() ->
     from bench.trace import RANGE_SPAN
 
     ranges = family_ranges()
-    assert ranges["design"] == 0 and set(ranges) >= {"heldout", "heldout2", "heldout3", "heldout4", "heldout5"}
+    assert ranges["design"] == 0 and set(ranges) >= {"heldout", "heldout2", "heldout3", "heldout4", "heldout5", "heldout6"}
     starts = sorted(ranges.values())
     assert len(set(starts)) == len(starts) and all(start % RANGE_SPAN == 0 for start in starts)
     assert all(later - earlier >= RANGE_SPAN > 400 for earlier, later in zip(starts, starts[1:]))
+
+
+def _details(path, ratios: dict[int, float], strategy: str = "bayes") -> str:
+    lines = ["strategy,draw,budget_s,seed,ratio"] + [f"{strategy},{d},1800.0,{d},{r}" for d, r in ratios.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def test_compare_pairs_two_runs_draw_by_draw(tmp_path, capsys) -> None:
+    """--compare: draws changed, the sum of changes, each side's figures, the 5th percentile's change
+    with a paired bootstrap interval that holds the change itself."""
+    rng = np.random.default_rng(7)
+    before = {d: float(r) for d, r in enumerate(rng.uniform(0.85, 1.0, 100))}
+    after = dict(before)
+    worst = sorted(before, key=before.get)[:10]
+    for d in worst:  # the tail lifted to 0.90 (under the median): the 5th percentile rises, the median stays
+        after[d] = 0.90
+    a, b = _details(tmp_path / "a.csv", before), _details(tmp_path / "b.csv", after)
+    assert bench_main(["--compare", a, b]) == 0
+    figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["bayes"]["30m"]
+    assert figures["draws"] == 100 and figures["changed"] == 10
+    assert figures["sum_change"] == pytest.approx(sum(0.90 - before[d] for d in worst), abs=1e-3)
+    assert figures["after"]["worst"] > figures["before"]["worst"] and figures["after"]["median"] == figures["before"]["median"]
+    low, high = figures["p5_change_90"]
+    assert figures["p5_change"] > 0.0 and low <= figures["p5_change"] <= high
+    assert bench_main(["--compare", a, a]) == 0  # a run against itself: no change, an interval of zero width
+    same = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["bayes"]["30m"]
+    assert same["changed"] == 0 and same["p5_change_90"] == [0.0, 0.0]
+
+
+def test_compare_refuses_files_it_cannot_pair(tmp_path, capsys) -> None:
+    a = _details(tmp_path / "a.csv", {0: 0.9, 1: 1.0})
+    b = _details(tmp_path / "b.csv", {0: 0.9, 1: 1.0}, strategy="tpe")
+    assert bench_main(["--compare", a, b]) == 2
+    assert "share no strategy" in capsys.readouterr().err
+    assert bench_main(["--compare", a, str(tmp_path / "missing.csv")]) == 2
+    assert "--details CSV" in capsys.readouterr().err
