@@ -262,9 +262,11 @@ def print_family(summary: dict[str, dict[str, dict[str, Any]]], family: str, dra
 
 
 def read_details(path: str) -> dict[tuple[str, float], dict[int, float]]:
-    """A ``--details`` CSV as ``{(strategy, budget s): {draw: ratio}}``."""
+    """A ``--details`` CSV (gzipped where its name ends in ``.gz``) as ``{(strategy, budget s): {draw: ratio}}``."""
+    import gzip
+
     out: dict[tuple[str, float], dict[int, float]] = {}
-    with open(path, newline="") as handle:
+    with (gzip.open(path, "rt", newline="") if path.endswith(".gz") else open(path, newline="")) as handle:
         for row in csv.DictReader(handle):
             out.setdefault((row["strategy"], float(row["budget_s"])), {})[int(row["draw"])] = float(row["ratio"])
     return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import numpy as np
@@ -154,7 +155,12 @@ def test_compare_pairs_two_runs_draw_by_draw(tmp_path, capsys) -> None:
     assert figures["after"]["worst"] > figures["before"]["worst"] and figures["after"]["median"] == figures["before"]["median"]
     low, high = figures["p5_change_90"]
     assert figures["p5_change"] > 0.0 and low <= figures["p5_change"] <= high
-    assert bench_main(["--compare", a, a]) == 0  # a run against itself: no change, an interval of zero width
+    packed = tmp_path / "a.csv.gz"
+    packed.write_bytes(gzip.compress((tmp_path / "a.csv").read_bytes()))
+    assert bench_main(["--compare", str(packed), a]) == 0  # gzipped, as the committed baselines are; against itself:
+    same = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["bayes"]["30m"]
+    assert same["changed"] == 0 and same["p5_change_90"] == [0.0, 0.0]  # no change, an interval of zero width
+    assert bench_main(["--compare", a, a]) == 0
     same = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["bayes"]["30m"]
     assert same["changed"] == 0 and same["p5_change_90"] == [0.0, 0.0]
 
