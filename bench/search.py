@@ -279,7 +279,7 @@ def compare_details(before: dict[tuple[str, float], dict[int, float]], after: di
     The 5th percentile of a few hundred draws rests on its dozen worst, so any change to a strategy
     moves it by chance as well: a paired bootstrap over the draws (the same resample scored before
     and after) gives a 90 % interval of its change. Also: draws changed beyond :data:`CHANGED`, the
-    sum of their changes, and each side's median, 5th percentile, worst and count below 0.95.
+    sum of every draw's change, and each side's median, 5th percentile, worst and count below 0.95.
     """
     rng = np.random.default_rng(seed)
     out: dict[str, dict[str, dict[str, Any]]] = {}
@@ -338,6 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare", nargs=2, metavar=("BEFORE.csv", "AFTER.csv"), default=None,
                         help="compare two --details files of the same draws, paired (no search runs)")
     args = parser.parse_args(argv)
+    if args.noise_stream < 0:
+        print("error: --noise-stream takes 0 (the family's own noise) or a positive number", file=sys.stderr)
+        return 2
     if args.compare:
         try:
             before, after = (read_details(path) for path in args.compare)

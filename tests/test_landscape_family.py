@@ -172,3 +172,5 @@ def test_compare_refuses_files_it_cannot_pair(tmp_path, capsys) -> None:
     assert "share no strategy" in capsys.readouterr().err
     assert bench_main(["--compare", a, str(tmp_path / "missing.csv")]) == 2
     assert "--details CSV" in capsys.readouterr().err
+    assert bench_main(["--family", "design", "--draws", "1", "--noise-stream", "-1"]) == 2
+    assert "--noise-stream takes 0" in capsys.readouterr().err
