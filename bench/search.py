@@ -221,16 +221,16 @@ def family_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, 
             mine = [r for r in rows if r["strategy"] == strategy and r["budget_s"] == budget_s]
             ratios = np.array([r["ratio"] for r in mine])
             ooms = [r["oom_probes"] for r in mine]
+            figures = _figures(ratios)
             # How far the 5th percentile rests on which draws came up: a bootstrap over them.
-            picks = np.random.default_rng(0).integers(0, len(ratios), size=(BOOTSTRAP_RESAMPLES, len(ratios)))
-            p5_90 = np.percentile(np.percentile(ratios[picks], 5, axis=1), [5, 95])
+            p5_90 = np.percentile(_p5(ratios[_resamples(len(ratios), np.random.default_rng(0))]), [5, 95])
             summary.setdefault(strategy, {})[f"{budget_s / 60:g}m"] = {
                 "draws": len(mine),
-                "median_ratio": round(float(np.median(ratios)), 4),
-                "p5_ratio": round(float(np.percentile(ratios, 5)), 4),
+                "median_ratio": figures["median"],
+                "p5_ratio": figures["p5"],
                 "p5_ratio_90": [round(float(x), 4) for x in p5_90],
-                "worst_ratio": round(float(ratios.min()), 4),
-                "below_095": int((ratios < 0.95).sum()),
+                "worst_ratio": figures["worst"],
+                "below_095": figures["below_095"],
                 "oom_probes_total": int(sum(ooms)),
                 "oom_probes_mean": round(statistics.fmean(ooms), 2),
                 "returned_over_ceiling": int(sum(r["over_ceiling"] for r in mine)),
@@ -289,8 +289,8 @@ def compare_details(before: dict[tuple[str, float], dict[int, float]], after: di
             continue
         a = np.array([before[key][d] for d in draws])
         b = np.array([after[key][d] for d in draws])
-        picks = rng.integers(0, len(draws), size=(BOOTSTRAP_RESAMPLES, len(draws)))
-        delta_p5 = np.percentile(b[picks], 5, axis=1) - np.percentile(a[picks], 5, axis=1)
+        picks = _resamples(len(draws), rng)
+        delta_p5 = _p5(b[picks]) - _p5(a[picks])
         moved = b - a
         out.setdefault(key[0], {})[f"{key[1] / 60:g}m"] = {
             "draws": len(draws),
@@ -298,15 +298,27 @@ def compare_details(before: dict[tuple[str, float], dict[int, float]], after: di
             "sum_change": round(float(moved.sum()), 3),
             "before": _figures(a),
             "after": _figures(b),
-            "p5_change": round(float(np.percentile(b, 5) - np.percentile(a, 5)), 4),
+            "p5_change": round(float(_p5(b) - _p5(a)), 4),
             "p5_change_90": [round(float(x), 4) for x in np.percentile(delta_p5, [5, 95])],
         }
     return out
 
 
 def _figures(ratios: np.ndarray) -> dict[str, Any]:
-    return {"median": round(float(np.median(ratios)), 4), "p5": round(float(np.percentile(ratios, 5)), 4),
+    """Median, 5th percentile, worst and count below 0.95 of one run's ratios: #14's figures, for the
+    family summary and both sides of a comparison."""
+    return {"median": round(float(np.median(ratios)), 4), "p5": round(float(_p5(ratios)), 4),
             "worst": round(float(ratios.min()), 4), "below_095": int((ratios < 0.95).sum())}
+
+
+def _p5(ratios: np.ndarray) -> np.ndarray:
+    """The 5th percentile along the last axis (one per bootstrap resample, or one of a run)."""
+    return np.percentile(ratios, 5, axis=-1)
+
+
+def _resamples(draws: int, rng: np.random.Generator) -> np.ndarray:
+    """:data:`BOOTSTRAP_RESAMPLES` resamples of ``draws`` indices, with replacement."""
+    return rng.integers(0, draws, size=(BOOTSTRAP_RESAMPLES, draws))
 
 
 def print_comparison(comparison: dict[str, dict[str, dict[str, Any]]]) -> None:

@@ -590,12 +590,13 @@ class MemoryModel:
         """The largest of ``batch_sizes`` predicted (or measured) to fit ``params``' group under the ceiling."""
         best = None
         group = self._groups.get(memory_group(params))
+        fits, oom_from = (group.fits, group.oom_from) if group else ({}, None)  # derived from the group's cells: once here
         # An OOM in a group with no successful probe says the prediction was far off: halve.
-        limit = group.oom_from // 2 if group and group.oom_from and not group.fits else None
-        if group and self.dims is None and len(group.fits) == 1 and self._sibling_slope(params, self._activation_slope(params)) is None:
+        limit = oom_from // 2 if oom_from and not fits else None
+        if self.dims is None and len(fits) == 1 and self._sibling_slope(params, self._activation_slope(params)) is None:
             # Without model dims, one point cannot split static from activation memory: grow at
             # most 4x past it, so the next probe measures the slope instead of running out of memory.
-            limit = 4 * max(group.fits)
+            limit = 4 * max(fits)
         for batch in sorted(batch_sizes):
             if limit is not None and batch > limit:
                 break
