@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare:
         try:
             before, after = (read_details(path) for path in args.compare)
-        except (OSError, KeyError, ValueError) as error:
+        except (OSError, EOFError, KeyError, ValueError) as error:  # EOFError: a gzipped file cut short
             print(f"error: --compare needs two --details CSV files from bench.search --family: {error}", file=sys.stderr)
             return 2
         comparison = compare_details(before, after)

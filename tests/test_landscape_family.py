@@ -172,5 +172,9 @@ def test_compare_refuses_files_it_cannot_pair(tmp_path, capsys) -> None:
     assert "share no strategy" in capsys.readouterr().err
     assert bench_main(["--compare", a, str(tmp_path / "missing.csv")]) == 2
     assert "--details CSV" in capsys.readouterr().err
+    cut = tmp_path / "cut.csv.gz"
+    cut.write_bytes(gzip.compress((tmp_path / "a.csv").read_bytes())[:-12])  # a gzipped file cut short
+    assert bench_main(["--compare", a, str(cut)]) == 2
+    assert "--details CSV" in capsys.readouterr().err
     assert bench_main(["--family", "design", "--draws", "1", "--noise-stream", "-1"]) == 2
     assert "--noise-stream takes 0" in capsys.readouterr().err
