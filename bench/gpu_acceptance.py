@@ -5,6 +5,7 @@
     make gpu-check                                # the same
     python -m bench.gpu_acceptance --phase landscape --out reports/gpu/nvidia-h100-80gb-hbm3-2026-01-31  # one phase (again)
     python -m bench.gpu_acceptance --phase run,side_by_side --out DIR              # several
+    python -m bench.gpu_acceptance --phase tests,landscape --box landscape=400 --out DIR  # a box that fits a call
     python -m bench.gpu_acceptance --device cpu --quick --out /tmp/acceptance     # the whole harness on a CPU in about a minute
 
 Run it from the checkout, with the Python that has torch (a CUDA build) and transformers. At its
@@ -372,7 +373,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, help="output folder (default: reports/gpu/<device-slug>-<yyyy-mm-dd>/)")
     parser.add_argument("--quick", action="store_true", help="every phase shortened: tiny model, short sequences, seconds per phase")
     parser.add_argument("--phase", help=f"run only these phases, comma-separated: {', '.join(PHASES)}")
+    parser.add_argument("--box", action="append", default=[], metavar="PHASE=SECONDS",
+                        help="a phase's time box in seconds instead of the plan's (repeatable), e.g. landscape=400 to fit a call")
     args = parser.parse_args(argv)
+    args.boxes = {}
+    for item in args.box:
+        name, _, seconds = item.partition("=")
+        try:
+            args.boxes[name.strip()] = float(seconds)
+        except ValueError:
+            parser.error(f"--box {item!r}: give PHASE=SECONDS, e.g. landscape=400")
+        if name.strip() not in PHASES or args.boxes[name.strip()] <= 0:
+            parser.error(f"--box {item!r}: the phase must be one of {', '.join(PHASES)} and the seconds positive")
     if args.phase:
         names = [n.strip() for n in args.phase.split(",") if n.strip()]
         unknown = [n for n in names if n not in PHASES]
@@ -424,8 +436,8 @@ def main(argv: list[str] | None = None) -> int:
     broken = False
     try:
         for name in args.phases:
-            box = plan.boxes_s[name]
-            if name == "landscape":  # what the other phases left of the whole run's time, at most its own box
+            box = args.boxes.get(name, plan.boxes_s[name])
+            if name == "landscape" and name not in args.boxes:  # what the other phases left of the whole run's time, at most its own box
                 box = max(plan.landscape_floor_s, min(box, deadline - time.monotonic() - SUMMARY_RESERVE_S))
             ctx = Context(name=name, out=out, device=device, plan=plan, box_s=box, slug=slug)
             record = run_phase(name, ctx)

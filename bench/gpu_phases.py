@@ -923,6 +923,39 @@ def complete_subgrid(grid: dict[str, tuple[Any, ...]], done: set[tuple[Any, ...]
     return max(complete, key=lambda sub: (math.prod(len(v) for v in sub.values()), len(sub["torch_compile"])))
 
 
+def least_informative_dimension(grid: dict[str, tuple[Any, ...]], rows: dict[tuple[Any, ...], dict[str, Any]]) -> str | None:
+    """The grid dimension (compile mode aside) whose values changed the measured samples/s least:
+    the median |log ratio| over pairs of ``ok`` rows that differ in it alone. None without such pairs."""
+    names = [n for n, values in grid.items() if n != "torch_compile" and len(values) > 1]
+    speed = {key: row["samples_per_s"] for key, row in rows.items() if row.get("status") == "ok" and row.get("samples_per_s")}
+    by_params = {tuple(TrialParams.from_dict(rows[key]).to_dict()[n] for n in PARAM_NAMES): s for key, s in speed.items()}
+    effects: dict[str, float] = {}
+    for name in names:
+        i = PARAM_NAMES.index(name)
+        low, high = grid[name][:2]
+        ratios = [abs(math.log(s / by_params[other])) for combo, s in by_params.items() if combo[i] == low
+                  and (other := (*combo[:i], high, *combo[i + 1:])) in by_params]
+        if ratios:
+            effects[name] = statistics.median(ratios)
+    return min(effects, key=effects.__getitem__) if effects else None
+
+
+def table_first(grid: dict[str, tuple[Any, ...]], configs: list[TrialParams],
+                rows: dict[tuple[Any, ...], dict[str, Any]]) -> list[TrialParams]:
+    """``configs`` not yet in ``rows``, those that complete a table with every compile mode first: the
+    sub-grid that fixes the dimension which moved throughput least so far
+    (``least_informative_dimension``) to its value with fewer configurations missing, so a lease
+    too short for the whole grid ends with a table that loses the least (``complete_subgrid``
+    accepts it). ``configs``' own order within each part (compiled graphs grouped, for inductor's cache)."""
+    todo = [c for c in configs if c.key() not in rows]
+    name = least_informative_dimension(grid, rows)
+    if name is None:
+        return todo
+    subs = [[c.key() for c in landscape_grid({**grid, name: (value,)}) if c.key() not in rows] for value in grid[name]]
+    first = set(min(subs, key=len))
+    return [c for c in todo if c.key() in first] + [c for c in todo if c.key() not in first]
+
+
 def narrowing(grid: dict[str, tuple[Any, ...]], sub: dict[str, tuple[Any, ...]]) -> str:
     """How ``sub`` cuts ``grid``, as a file-name suffix: ``""`` for the whole grid, else e.g.
     ``"-torch_compile-off"`` or ``"-gradient_checkpointing-False"``."""
@@ -986,9 +1019,7 @@ def phase_landscape(ctx: Context) -> PhaseOutput:
     evaluator = replace(evaluator, measure_steps=2, max_measure_steps=2)
     ctx.log(f"{len(configs)} configurations, {resumed} already probed, ceiling {format_bytes(ceiling)}")
     with rows_path.open("a", encoding="utf-8") as sink:
-        for params in configs:
-            if params.key() in done:
-                continue
+        for params in table_first(grid, configs, done):
             cut_by_box = ctx.remaining() - plan.land_reserve_s < plan.probe_cap_s
             result = ctx.probe(evaluator, params, reserve_s=plan.land_reserve_s)
             if result is None or (cut_by_box and str(result.status) == "timeout"):

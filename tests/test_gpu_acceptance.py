@@ -6,7 +6,9 @@ import json
 import subprocess
 import sys
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -282,3 +284,45 @@ def test_bitsandbytes_is_unpacked_with_only_the_cpu_and_one_cuda_major(tmp_path:
     assert sorted(p.name for p in (tmp_path / "site" / "bitsandbytes").glob("*.so")) == kept
     assert (tmp_path / "site" / "bitsandbytes" / "__init__.py").exists()
     assert (tmp_path / "site" / "bitsandbytes-0.50.2.dist-info" / "METADATA").exists()
+
+
+def _landscape_rows(configs: list, speed: Callable[[Any], float]) -> dict:
+    return {c.key(): {**c.to_dict(), "status": "ok", "samples_per_s": speed(c)} for c in configs}
+
+
+def test_table_first_completes_the_table_that_fixes_the_dimension_that_mattered_least() -> None:
+    grid = gpu_phases.FULL.land_grid
+    configs = gpu_phases.landscape_grid(grid)
+    first_compiled = 128
+    # Measured so far: the uncompiled half and the compiled half without checkpointing. Loader workers
+    # change the speed by 1%, everything else by more; among the checkpointed compiled configurations
+    # 10 with 2 workers and 3 with none are done.
+    def speed(c: Any) -> float:
+        return (c.per_device_train_batch_size * (1.3 if c.precision == "bf16" else 1.0) * (1.1 if c.optim == "adafactor" else 1.0)
+                * (1.2 if c.attn_implementation == "sdpa" else 1.0) * c.gradient_accumulation_steps ** 0.1
+                * (0.8 if c.gradient_checkpointing else 1.0) * (1.5 if c.torch_compile != "off" else 1.0)
+                * (1.01 if c.dataloader_num_workers else 1.0))
+    checkpointed = [c for c in configs[first_compiled:] if c.gradient_checkpointing]
+    done = [c for c in configs if not (c.torch_compile != "off" and c.gradient_checkpointing)]
+    done += [c for c in checkpointed if c.dataloader_num_workers == 2][:10] + [c for c in checkpointed if c.dataloader_num_workers == 0][:3]
+    rows = _landscape_rows(done, speed)
+    assert gpu_phases.least_informative_dimension(grid, rows) == "dataloader_num_workers"
+    order = gpu_phases.table_first(grid, configs, rows)
+    assert len(order) == 256 - len(done) and not {c.key() for c in order} & set(rows)
+    # The 22 missing with 2 workers come first (fewer than the 29 with none), in the grid's own order.
+    assert all(c.dataloader_num_workers == 2 for c in order[:22]) and order[22].dataloader_num_workers == 0
+    assert [c.key() for c in order[:22]] == [c.key() for c in configs if c.key() in {o.key() for o in order[:22]}]
+    rows |= _landscape_rows(order[:22], speed)
+    sub = gpu_phases.complete_subgrid(grid, set(rows))
+    assert sub == {**grid, "dataloader_num_workers": (2,)} and len(sub["torch_compile"]) == 2
+    # No pair of measured rows yet: the grid's own order.
+    assert gpu_phases.least_informative_dimension(grid, {}) is None
+    assert gpu_phases.table_first(grid, configs, {}) == configs
+
+
+def test_box_option_sets_a_phase_box_and_refuses_bad_ones() -> None:
+    args = gpu_acceptance.parse_args(["--phase", "tests,landscape", "--box", "landscape=400", "--box", "tests=90"])
+    assert args.boxes == {"landscape": 400.0, "tests": 90.0}
+    for bad in ("landscape", "landscape=soon", "landscap=400", "landscape=-5"):
+        with pytest.raises(SystemExit):
+            gpu_acceptance.parse_args(["--box", bad])
