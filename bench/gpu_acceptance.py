@@ -54,7 +54,9 @@ of pythia-410m took ~60 s on that H100), most of 20 minutes more. So a 25-minute
 uncompiled half probed, written as a replay table of its own (a full factorial with
 ``torch_compile`` = off, replayable like any other), and the phase marked ``timeout``. ``--phase
 landscape --out DIR`` (a 9-minute box when run alone) goes on from the rows already probed
-(``landscape_rows.jsonl``): two or three of those write the whole 256-row table.
+(``landscape_rows.jsonl``): two or three of those write the whole 256-row table. A call that
+goes on first probes what completes a table with both compile modes, fixing the dimension that
+moved throughput least so far (``gpu_phases.table_first``: loader workers on the H100).
 
 A phase past its box stops where it is (each probe's deadline is inside the box) and records
 ``timeout`` with what it measured; one that overruns its box by the grace period (60 s) is
