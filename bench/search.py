@@ -13,6 +13,7 @@
     python -m bench.search --family design --draws 400 --budgets 30m --strategies bayes --details after.csv
     python -m bench.search --compare before.csv after.csv    # paired, draw by draw, with the 5th percentile's bootstrap interval
     python -m bench.search --family design --draws 400 --budgets 30m --strategies bayes --noise-stream 1  # the same, other probe noise
+    python -m bench.search --family heldout6 --gpu-seeds 20     # the GPU-recorded tables with 20 seeds (default 5; 0: none)
 
 Ranges: ``design`` = draws from 0 (design on these only: rounds 1-3 of #14 used 0-199, rounds 4-7 0-399), ``heldout`` = draws 100000-100199 (seen
 once with ``bayes``, after its first design), ``heldout2`` = draws 200000-200199 (added before the
@@ -32,7 +33,9 @@ the draws: it rests on the dozen worst), the OOM probes launched, and the config
 over the ceiling; ``--details FILE.csv`` keeps one row per search. ``--noise-stream N`` redraws
 every probe's noise (an independent repeat of the same searches: what chance alone moves);
 ``--compare BEFORE.csv AFTER.csv`` pairs two ``--details`` files draw by draw
-(:func:`compare_details`) and runs no search.
+(:func:`compare_details`) and runs no search. After the family's figures, family mode replays every
+table recorded on a GPU under ``reports/gpu/`` (:func:`gpu_tables`, at its recorded probe ceiling)
+with each strategy at each budget, ``--gpu-seeds`` seeds (default 5), each table on its own line.
 
 Every strategy runs over every seed on every table (TABLE[:CEILING], default ceiling 40GiB) with a
 virtual budget (default 30 minutes). Per table and strategy it prints the median and worst ratio of
@@ -73,6 +76,8 @@ DEFAULT_TABLES = (
     f"{DATA / 'landscape_llama-1b-a10g.csv.gz'}:22GiB",
 )
 STRATEGY_NAMES = ("bayes", "frontier", "tpe", "random")
+GPU_REPORTS = Path(__file__).resolve().parent.parent / "reports" / "gpu"
+GPU_SEEDS = 5  # family mode: seeds per GPU-recorded table and budget
 # First draw of each family range: bench.family's ranges plus a second held-out range, added when the
 # first held-out range had been seen once with bayes (nobody ran bayes on it before its design froze).
 HELDOUT2_START = 200_000
@@ -90,6 +95,21 @@ def family_ranges() -> dict[str, int]:
 
     return {**RANGES, "heldout2": HELDOUT2_START, "heldout3": HELDOUT3_START, "heldout4": HELDOUT4_START, "heldout5": HELDOUT5_START,
             "heldout6": HELDOUT6_START}
+
+
+def gpu_tables(root: Path = GPU_REPORTS) -> list[str]:
+    """``TABLE:CEILING`` for every replay table recorded on a GPU under ``root`` (the acceptance
+    run's ``landscape_*.csv.gz``), at the probe ceiling its phase recorded in ``landscape.json``
+    beside it; sorted by path. A table without that ceiling is left out."""
+    specs = []
+    for path in sorted(root.glob("*/landscape_*.csv.gz")):
+        try:
+            ceiling = json.loads((path.parent / "landscape.json").read_text(encoding="utf-8"))["data"]["ceiling_bytes"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if isinstance(ceiling, int) and ceiling > 0:
+            specs.append(f"{path}:{ceiling}")
+    return specs
 
 
 def bench(tables: list[str], strategies: list[str], seeds: int, budget_s: float) -> dict[str, Any]:
@@ -347,11 +367,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--details", default=None, help="family mode: write one CSV row per search here")
     parser.add_argument("--noise-stream", type=int, default=0,
                         help="family mode: redraw the probes' noise (0: the family's own; another number: an independent draw of it)")
+    parser.add_argument("--gpu-seeds", type=int, default=GPU_SEEDS,
+                        help=f"family mode: seeds per GPU-recorded table under reports/gpu/ and budget, each table on its own line (default: {GPU_SEEDS}; 0: none)")
     parser.add_argument("--compare", nargs=2, metavar=("BEFORE.csv", "AFTER.csv"), default=None,
                         help="compare two --details files of the same draws, paired (no search runs)")
     args = parser.parse_args(argv)
     if args.noise_stream < 0:
         print("error: --noise-stream takes 0 (the family's own noise) or a positive number", file=sys.stderr)
+        return 2
+    if args.gpu_seeds < 0:
+        print("error: --gpu-seeds takes 0 (no GPU tables) or a positive number of seeds", file=sys.stderr)
         return 2
     if args.compare:
         try:
@@ -379,7 +404,15 @@ def main(argv: list[str] | None = None) -> int:
         summary = family_summary(rows)
         print_family(summary, args.family, args.draws)
         print(f"runtime {elapsed_s:.0f} s with {args.processes} process(es)")
-        print(json.dumps({"family": args.family, "draws": args.draws, "runtime_s": round(elapsed_s), "strategies": summary}, sort_keys=True))
+        gpu: dict[str, Any] = {}
+        tables = gpu_tables() if args.gpu_seeds else []
+        for budget_s in budgets_s:  # the issue's rule: a GPU-recorded table is reported, on its own line
+            if tables:
+                gpu[f"{budget_s / 60:g}m"] = bench(tables, args.strategies.split(","), args.gpu_seeds, budget_s)
+                print(f"GPU-recorded replay tables under reports/gpu/, {args.gpu_seeds} seeds each:")
+                print_table(gpu[f"{budget_s / 60:g}m"], budget_s)
+        print(json.dumps({"family": args.family, "draws": args.draws, "runtime_s": round(elapsed_s), "strategies": summary, "gpu_tables": gpu},
+                         sort_keys=True))
         return 0
     budget_s = parse_duration_s(args.budget)
     summary = bench(args.tables, args.strategies.split(","), args.seeds, budget_s)

@@ -106,7 +106,8 @@ def test_loading_in_the_training_process_shows_as_waiting(landscape) -> None:
 
 
 def test_family_mode_prints_the_figures_per_strategy_and_budget(capsys) -> None:
-    assert bench_main(["--family", "design", "--draws", "2", "--budgets", "3m", "--strategies", "bayes,random", "--processes", "1"]) == 0
+    assert bench_main(["--family", "design", "--draws", "2", "--budgets", "3m", "--strategies", "bayes,random", "--processes", "1",
+                       "--gpu-seeds", "0"]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["family"] == "design" and summary["draws"] == 2
     for strategy in ("bayes", "random"):
@@ -178,3 +179,33 @@ def test_compare_refuses_files_it_cannot_pair(tmp_path, capsys) -> None:
     assert "--details CSV" in capsys.readouterr().err
     assert bench_main(["--family", "design", "--draws", "1", "--noise-stream", "-1"]) == 2
     assert "--noise-stream takes 0" in capsys.readouterr().err
+
+
+def test_family_mode_reports_each_gpu_recorded_table_on_its_own_line(capsys) -> None:
+    from bench.search import gpu_tables
+
+    specs = gpu_tables()
+    # The H100's landscape tables, committed under reports/gpu/, at the 9 GiB ceiling their phase recorded.
+    names = {spec.rpartition(":")[0].rsplit("/", 1)[-1] for spec in specs}
+    assert "landscape_nvidia-h100-80gb-hbm3-dataloader_num_workers-0.csv.gz" in names
+    assert all(spec.endswith(":9663676416") for spec in specs)
+    assert bench_main(["--family", "design", "--draws", "1", "--budgets", "2m", "--strategies", "random", "--processes", "1",
+                       "--gpu-seeds", "1"]) == 0
+    out = capsys.readouterr().out
+    gpu = json.loads(out.strip().splitlines()[-1])["gpu_tables"]["2m"]
+    assert set(gpu) == {name.removesuffix(".csv.gz") for name in names}
+    for table, figures in gpu.items():
+        assert figures["random"]["seeds"] == 1 and 0.0 <= figures["random"]["worst_ratio"] <= 1.0
+        assert sum(line.startswith(f"{table} ") for line in out.splitlines()) == 1  # its own line
+    assert bench_main(["--family", "design", "--draws", "1", "--gpu-seeds", "-1"]) == 2
+
+
+def test_gpu_tables_skips_a_table_without_its_recorded_ceiling(tmp_path) -> None:
+    from bench.search import gpu_tables
+
+    (tmp_path / "card-a").mkdir()
+    (tmp_path / "card-a" / "landscape_card-a.csv.gz").write_bytes(b"")
+    (tmp_path / "card-a" / "landscape.json").write_text(json.dumps({"data": {"ceiling_bytes": 2**33}}))
+    (tmp_path / "card-b").mkdir()
+    (tmp_path / "card-b" / "landscape_card-b.csv.gz").write_bytes(b"")  # no landscape.json beside it
+    assert gpu_tables(tmp_path) == [f"{tmp_path / 'card-a' / 'landscape_card-a.csv.gz'}:{2**33}"]
