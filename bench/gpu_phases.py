@@ -925,16 +925,16 @@ def complete_subgrid(grid: dict[str, tuple[Any, ...]], done: set[tuple[Any, ...]
 
 def least_informative_dimension(grid: dict[str, tuple[Any, ...]], rows: dict[tuple[Any, ...], dict[str, Any]]) -> str | None:
     """The grid dimension (compile mode aside) whose values changed the measured samples/s least:
-    the median |log ratio| over pairs of ``ok`` rows that differ in it alone. None without such pairs."""
+    the median |log ratio| over pairs of ``ok`` rows that differ in it alone (its first value against
+    each other one). None without such pairs."""
     names = [n for n, values in grid.items() if n != "torch_compile" and len(values) > 1]
     speed = {key: row["samples_per_s"] for key, row in rows.items() if row.get("status") == "ok" and row.get("samples_per_s")}
     by_params = {tuple(TrialParams.from_dict(rows[key]).to_dict()[n] for n in PARAM_NAMES): s for key, s in speed.items()}
     effects: dict[str, float] = {}
     for name in names:
-        i = PARAM_NAMES.index(name)
-        low, high = grid[name][:2]
-        ratios = [abs(math.log(s / by_params[other])) for combo, s in by_params.items() if combo[i] == low
-                  and (other := (*combo[:i], high, *combo[i + 1:])) in by_params]
+        i, first = PARAM_NAMES.index(name), grid[name][0]
+        ratios = [abs(math.log(s / by_params[other])) for combo, s in by_params.items() if combo[i] == first
+                  for value in grid[name][1:] if (other := (*combo[:i], value, *combo[i + 1:])) in by_params]
         if ratios:
             effects[name] = statistics.median(ratios)
     return min(effects, key=effects.__getitem__) if effects else None
