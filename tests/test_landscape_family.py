@@ -182,7 +182,7 @@ def test_compare_refuses_files_it_cannot_pair(tmp_path, capsys) -> None:
 
 
 def test_family_mode_reports_each_gpu_recorded_table_on_its_own_line(capsys) -> None:
-    from bench.search import gpu_tables
+    from bench.search import bench, gpu_tables
 
     specs = gpu_tables()
     # The H100's landscape tables, committed under reports/gpu/, at the 9 GiB ceiling their phase recorded.
@@ -198,6 +198,8 @@ def test_family_mode_reports_each_gpu_recorded_table_on_its_own_line(capsys) -> 
         assert figures["random"]["seeds"] == 1 and 0.0 <= figures["random"]["worst_ratio"] <= 1.0
         assert sum(line.startswith(f"{table} ") for line in out.splitlines()) == 1  # its own line
     assert bench_main(["--family", "design", "--draws", "1", "--gpu-seeds", "-1"]) == 2
+    # Replays in worker processes give what they give in one.
+    assert bench(specs[:1], ["random"], 2, 120.0, processes=2) == bench(specs[:1], ["random"], 2, 120.0)
 
 
 def test_gpu_tables_skips_a_table_without_its_recorded_ceiling(tmp_path) -> None:
