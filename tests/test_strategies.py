@@ -254,31 +254,29 @@ def test_bayes_counts_accumulation_as_needing_no_less_memory() -> None:
     assert not known_fit(per_device_train_batch_size=32, gradient_accumulation_steps=1, optim="adamw_torch")
 
 
-def test_bayes_finds_the_best_of_the_h100_table_where_the_largest_batch_fits_only_compiled() -> None:
-    """The landscape recorded on an H100 (pythia-160m, checkpointing off): batch 64 runs out of memory
-    uncompiled and fits compiled at 2.2x-3x the speed of any batch-8 configuration. Measured against
-    the best uncompiled configuration (batch 8), uncompiled batch-8 variants kept their expected
-    improvement and took the budget (0.889 in every seed); against the incumbent's uncompiled self
-    they have none. Accumulating 2 at batch 64 ran out of memory where 1 fits."""
-    table = load_table(Path(__file__).resolve().parent.parent / "reports" / "gpu" / "nvidia-h100-80gb-hbm3-2026-11-22"
-                       / "landscape_nvidia-h100-80gb-hbm3-gradient_checkpointing-False.csv.gz")
-    ceiling = 9 * GiB
-    true_best = float(table.best_under(ceiling)["samples_per_s"])
-    found = replay_search(table, budget_s=383.0, memory_ceiling_bytes=ceiling, strategy="bayes", seed=0)
-    assert found.best_samples_per_s / true_best >= 0.95 and found.best_peak_mem_bytes <= ceiling
+# Tables recorded on an H100 (pythia-160m seq 128, 9 GiB probe ceiling), each searched for a third
+# of its probe time, as the GPU phase's protocol asks:
+# - checkpointing off: batch 64 runs out of memory uncompiled and fits compiled at 2.2x-3x the speed
+#   of any batch-8 configuration. Measured against the best uncompiled configuration (batch 8),
+#   uncompiled batch-8 variants kept their expected improvement and took the budget (0.889 in every
+#   seed); against the incumbent's uncompiled self they have none. Accumulating 2 at batch 64 ran
+#   out of memory where 1 fits.
+# - loader workers 0, compile and checkpointing both in: compiled, checkpointing costs 0.96x at batch
+#   64 and cuts the peak to 0.71x, so the best checkpointed configuration (1955 samples/s) is close
+#   to the best one (2203, without checkpointing, which fits at batch 64 only compiled); TPE's worst
+#   seed there: 0.625.
+H100_TABLES = Path(__file__).resolve().parent.parent / "reports" / "gpu" / "nvidia-h100-80gb-hbm3-2026-11-22"
 
 
-def test_bayes_finds_the_best_of_the_h100_table_with_compile_and_checkpointing() -> None:
-    """The H100 landscape with both compile modes and checkpointing (loader workers 0): compiled,
-    checkpointing costs 0.96x at batch 64 and cuts the peak to 0.71x, so the best checkpointed
-    configuration (1955 samples/s) is close to the best one (2203, without checkpointing, which fits
-    at batch 64 only compiled). Found within a third of the table's probe time, as the GPU phase's
-    protocol asks (TPE's worst seed there: 0.625)."""
-    table = load_table(Path(__file__).resolve().parent.parent / "reports" / "gpu" / "nvidia-h100-80gb-hbm3-2026-11-22"
-                       / "landscape_nvidia-h100-80gb-hbm3-dataloader_num_workers-0.csv.gz")
+@pytest.mark.parametrize(("table_name", "budget_s"), [
+    ("landscape_nvidia-h100-80gb-hbm3-gradient_checkpointing-False.csv.gz", 383.0),
+    ("landscape_nvidia-h100-80gb-hbm3-dataloader_num_workers-0.csv.gz", 613.0),
+])
+def test_bayes_finds_the_best_of_the_h100_tables(table_name: str, budget_s: float) -> None:
+    table = load_table(H100_TABLES / table_name)
     ceiling = 9 * GiB
     true_best = float(table.best_under(ceiling)["samples_per_s"])
-    found = replay_search(table, budget_s=613.0, memory_ceiling_bytes=ceiling, strategy="bayes", seed=0)
+    found = replay_search(table, budget_s=budget_s, memory_ceiling_bytes=ceiling, strategy="bayes", seed=0)
     assert found.best_samples_per_s / true_best >= 0.95 and found.best_peak_mem_bytes <= ceiling
 
 
