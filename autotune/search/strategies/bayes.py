@@ -906,11 +906,13 @@ class BayesStrategy(Strategy):
         startup = statistics.median(setups) if setups else STARTUP_PRIOR_S
         # Compilations, per mode: of a graph compiled for the first time in this run, and of one
         # compiled before, which inductor's cache (shared by the run's probes) may serve; the latter
-        # apart with and without checkpointing (on the H100 checkpointed graphs gained nothing from it).
+        # apart per checkpointing and attention kernel (on the H100, pythia-160m, checkpointed
+        # graphs recompiled from the cache in 11-14 s with eager attention and in 36-51 s, as if
+        # cold, with sdpa; without checkpointing both took ~10 s).
         cold_s: dict[str, list[float]] = {}
-        cached_s: dict[tuple[str, Any], list[float]] = {}
+        cached_s: dict[tuple[Any, ...], list[float]] = {}
         graph_dims = [d for d in COMPILED_GRAPH_PARAMS if d in grid.names]
-        ckpt = "gradient_checkpointing" if "gradient_checkpointing" in grid.names else None
+        cache_dims = tuple(d for d in ("gradient_checkpointing", "attn_implementation") if d in grid.names)
         compiled: set[tuple[Any, ...]] = set()
         windows, steps = [], []
         for probe in history:
@@ -922,7 +924,7 @@ class BayesStrategy(Strategy):
                 graph = tuple(getattr(probe.params, d) for d in graph_dims)
                 compile_s = max(warmup - WARMUP_STEPS * r.step_time_s, 0.0)
                 if graph in compiled:
-                    cached_s.setdefault((probe.params.torch_compile, getattr(probe.params, ckpt) if ckpt else None), []).append(compile_s)
+                    cached_s.setdefault((probe.params.torch_compile, *(getattr(probe.params, d) for d in cache_dims)), []).append(compile_s)
                 else:
                     cold_s.setdefault(probe.params.torch_compile, []).append(compile_s)
                 compiled.add(graph)
@@ -950,12 +952,12 @@ class BayesStrategy(Strategy):
         def again(**v: Any) -> float:
             """A graph compiled before: what such recompilations measured (no cheaper until one was)."""
             first = table[modes.index(v["torch_compile"])]
-            measured = cached_s.get((v["torch_compile"], v[ckpt] if ckpt else None))
+            measured = cached_s.get((v["torch_compile"], *(v[d] for d in cache_dims)))
             return min(statistics.median(measured), first) if measured else first
 
         if compiled and cached_s:
             seen = grid.along(graph_dims, lambda **v: float(tuple(v[d] for d in graph_dims) in compiled)) > 0
-            compile_grid = np.where(seen, grid.along(("torch_compile",) + ((ckpt,) if ckpt else ()), again), compile_grid)
+            compile_grid = np.where(seen, grid.along(("torch_compile", *cache_dims), again), compile_grid)
         step_s = context.accum_values * context.batch_values / np.exp(mean)
         cost_ok = startup + compile_grid + WARMUP_STEPS * step_s + np.maximum(window_s, window_steps * step_s)
         cost_fail = startup + 0.5 * compile_grid + step_s / np.maximum(context.accum_values, 1.0)
