@@ -897,8 +897,9 @@ def landscape_grid(grid: dict[str, tuple[Any, ...]]) -> list[TrialParams]:
     def key(p: TrialParams) -> tuple[Any, ...]:
         graph = tuple(getattr(p, name) for name in COMPILED_GRAPH_PARAMS)
         # Compiled graphs without checkpointing first: they compile in ~30 s cold and ~10 s from the
-        # cache, checkpointed ones in ~45 s every time (H100, pythia-160m), so a lease that cannot
-        # probe them all still completes the factorial without checkpointing (complete_subgrid).
+        # cache, checkpointed ones in ~45 s cold and, with sdpa, every time (eager: 11-14 s from the
+        # cache; H100, pythia-160m), so a lease that cannot probe them all still completes the
+        # factorial without checkpointing (complete_subgrid).
         compiled = grid["torch_compile"].index(p.torch_compile)
         return (compiled, compiled > 0 and p.gradient_checkpointing, graph, p.optim, p.gradient_accumulation_steps, p.dataloader_num_workers)
 
