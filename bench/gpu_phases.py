@@ -929,13 +929,13 @@ def least_informative_dimension(grid: dict[str, tuple[Any, ...]], rows: dict[tup
     the median |log ratio| over pairs of ``ok`` rows that differ in it alone (its first value against
     each other one). None without such pairs."""
     names = [n for n, values in grid.items() if n != "torch_compile" and len(values) > 1]
+    # Keyed as the rows are, by TrialParams.key(): the values in PARAM_NAMES order.
     speed = {key: row["samples_per_s"] for key, row in rows.items() if row.get("status") == "ok" and row.get("samples_per_s")}
-    by_params = {tuple(TrialParams.from_dict(rows[key]).to_dict()[n] for n in PARAM_NAMES): s for key, s in speed.items()}
     effects: dict[str, float] = {}
     for name in names:
         i, first = PARAM_NAMES.index(name), grid[name][0]
-        ratios = [abs(math.log(s / by_params[other])) for combo, s in by_params.items() if combo[i] == first
-                  for value in grid[name][1:] if (other := (*combo[:i], value, *combo[i + 1:])) in by_params]
+        ratios = [abs(math.log(s / speed[other])) for combo, s in speed.items() if combo[i] == first
+                  for value in grid[name][1:] if (other := (*combo[:i], value, *combo[i + 1:])) in speed]
         if ratios:
             effects[name] = statistics.median(ratios)
     return min(effects, key=effects.__getitem__) if effects else None

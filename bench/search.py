@@ -89,6 +89,11 @@ CHANGED = 0.005  # --compare: a draw whose ratio moved more than this changed
 BOOTSTRAP_RESAMPLES = 2000
 
 
+def _budget_label(budget_s: float) -> str:
+    """A budget as the summaries key it: ``1800.0`` -> ``"30m"``."""
+    return f"{budget_s / 60:g}m"
+
+
 def family_ranges() -> dict[str, int]:
     """``{range name: first draw}``: ``design``, ``heldout`` (from bench.family), ``heldout2`` to ``heldout6``."""
     from bench.family import RANGES
@@ -112,9 +117,27 @@ def gpu_tables(root: Path = GPU_REPORTS) -> list[str]:
     return specs
 
 
+def _map(function: Any, tasks: list[Any], processes: int, chunksize: int = 1) -> list[Any]:
+    """``function`` over ``tasks`` in order: in this process, or in ``processes`` forked ones."""
+    if processes <= 1:
+        return [function(t) for t in tasks]
+    with multiprocessing.get_context("fork").Pool(processes) as pool:
+        return list(pool.imap(function, tasks, chunksize=chunksize))
+
+
+_TABLES: dict[str, Any] = {}
+
+
+def _table(path: str) -> Any:
+    """A replay table, read once per process (forked workers inherit the parent's)."""
+    if path not in _TABLES:
+        _TABLES[path] = load_table(path)
+    return _TABLES[path]
+
+
 def _table_task(task: tuple[str, int, float, str, int]) -> Any:
     path, ceiling, budget_s, strategy, seed = task
-    return replay_search(load_table(path), budget_s=budget_s, memory_ceiling_bytes=ceiling, strategy=strategy, seed=seed)
+    return replay_search(_table(path), budget_s=budget_s, memory_ceiling_bytes=ceiling, strategy=strategy, seed=seed)
 
 
 def bench(tables: list[str], strategies: list[str], seeds: int, budget_s: float, processes: int = 1) -> dict[str, Any]:
@@ -124,18 +147,13 @@ def bench(tables: list[str], strategies: list[str], seeds: int, budget_s: float,
     for spec in tables:
         path, _, ceiling_text = spec.partition(":")
         ceiling = parse_bytes(ceiling_text or "40GiB")
-        table = load_table(path)
+        table = _table(path)
         true_best = table.best_under(ceiling)
         if true_best is None:
             raise SystemExit(f"{path}: no configuration fits under {format_bytes(ceiling)}")
         specs.append((table, ceiling, float(true_best["samples_per_s"]), float(table.frame["probe_s"].sum())))
         tasks += [(path, ceiling, budget_s, strategy, seed) for strategy in strategies for seed in range(seeds)]
-    if processes <= 1:
-        outcomes = [_table_task(t) for t in tasks]
-    else:
-        with multiprocessing.get_context("fork").Pool(processes) as pool:
-            outcomes = list(pool.imap(_table_task, tasks))
-    runs = iter(outcomes)
+    runs = iter(_map(_table_task, tasks, processes))
     for table, ceiling, true_best_sps, grid_s in specs:
         summary[table.name] = {"ceiling_bytes": ceiling, "true_best_samples_per_s": true_best_sps}
         for strategy in strategies:
@@ -241,10 +259,7 @@ def bench_family(family: str, draws: int, strategies: list[str], budgets_s: list
     """Every strategy x budget on ``draws`` landscapes of the range ``family`` (``design``, ``heldout``, ``heldout2`` to ``heldout6``)."""
     start = family_ranges()[family]
     tasks = [(strategy, start + i, budget_s, i, noise_stream) for i in range(draws) for strategy in strategies for budget_s in budgets_s]
-    if processes <= 1:
-        return [_family_task(t) for t in tasks]
-    with multiprocessing.get_context("fork").Pool(processes) as pool:
-        return list(pool.imap(_family_task, tasks, chunksize=max(1, len(strategies) * len(budgets_s))))
+    return _map(_family_task, tasks, processes, chunksize=max(1, len(strategies) * len(budgets_s)))
 
 
 def family_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
@@ -258,7 +273,7 @@ def family_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, 
             figures = _figures(ratios)
             # How far the 5th percentile rests on which draws came up: a bootstrap over them.
             p5_90 = np.percentile(_p5(ratios[_resamples(len(ratios), np.random.default_rng(0))]), [5, 95])
-            summary.setdefault(strategy, {})[f"{budget_s / 60:g}m"] = {
+            summary.setdefault(strategy, {})[_budget_label(budget_s)] = {
                 "draws": len(mine),
                 "median_ratio": figures["median"],
                 "p5_ratio": figures["p5"],
@@ -326,7 +341,7 @@ def compare_details(before: dict[tuple[str, float], dict[int, float]], after: di
         picks = _resamples(len(draws), rng)
         delta_p5 = _p5(b[picks]) - _p5(a[picks])
         moved = b - a
-        out.setdefault(key[0], {})[f"{key[1] / 60:g}m"] = {
+        out.setdefault(key[0], {})[_budget_label(key[1])] = {
             "draws": len(draws),
             "changed": int((np.abs(moved) > CHANGED).sum()),
             "sum_change": round(float(moved.sum()), 3),
@@ -420,11 +435,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"runtime {elapsed_s:.0f} s with {args.processes} process(es)")
         gpu: dict[str, Any] = {}
         tables = gpu_tables() if args.gpu_seeds else []
-        for budget_s in budgets_s:  # the issue's rule: a GPU-recorded table is reported, on its own line
-            if tables:
-                gpu[f"{budget_s / 60:g}m"] = bench(tables, args.strategies.split(","), args.gpu_seeds, budget_s, args.processes)
-                print(f"GPU-recorded replay tables under reports/gpu/, {args.gpu_seeds} seeds each:")
-                print_table(gpu[f"{budget_s / 60:g}m"], budget_s)
+        for budget_s in budgets_s if tables else []:  # the issue's rule: a GPU-recorded table is reported, on its own line
+            gpu[_budget_label(budget_s)] = bench(tables, args.strategies.split(","), args.gpu_seeds, budget_s, args.processes)
+            print(f"GPU-recorded replay tables under reports/gpu/, {args.gpu_seeds} seeds each:")
+            print_table(gpu[_budget_label(budget_s)], budget_s)
         print(json.dumps({"family": args.family, "draws": args.draws, "runtime_s": round(elapsed_s), "strategies": summary, "gpu_tables": gpu},
                          sort_keys=True))
         return 0
