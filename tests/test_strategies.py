@@ -524,10 +524,9 @@ def test_the_surrogate_predicts_the_whole_grid_as_its_features_say() -> None:
     surrogate, grid = context.surrogate, context.grid
     rng = np.random.default_rng(0)
     points = [grid.params_at(int(i)) for i in rng.choice(grid.size, size=12, replace=False)]
-    rows = np.array([surrogate.features(p) for p in points])
-    surrogate.fit(rows[:8], rng.normal(3.0, 0.5, size=8), np.full(8, 0.01))
+    surrogate.fit_params(points[:8], rng.normal(3.0, 0.5, size=8), np.full(8, 0.01))
     mean, sd = surrogate.predict_grid()
-    direct_mean, direct_sd = surrogate.predict_rows(rows)
+    direct_mean, direct_sd = surrogate.predict_params(points)
     for point, m, s in zip(points, direct_mean, direct_sd):
         index = grid.flat_index(point)
         assert mean.reshape(-1)[index] == pytest.approx(m, abs=1e-4)
@@ -585,3 +584,33 @@ def test_bayes_shifts_a_fit_by_the_error_a_group_alike_shares_after_its_out_of_m
     measured = [probe(0, 8), probe(1, 16)]
     before, after = p_fit_at_8(measured), p_fit_at_8([*measured, probe(2, 64, "oom")])
     assert 0.5 < after < before
+
+
+@pytest.mark.parametrize("acts_on", ["overhead", "per_sample"])
+def test_the_step_time_model_learns_whether_compilation_cuts_overhead_or_per_sample_time(acts_on: str) -> None:
+    """Throughput from a step's time: micro-step = overhead + batch x per-sample time. Compilation
+    measured at batch 1 and 64 says which of the two it cuts, so its predicted gain at batch 8
+    follows: large where it cuts the overhead (batch 8 is near saturation), small where it speeds
+    the kernels (batch 8 is still overhead-bound). A sum of per-value effects gains the same everywhere."""
+    space = parse_space({"per_device_train_batch_size": [1, 2, 4, 8, 16, 32, 64], "gradient_accumulation_steps": [1],
+                         "precision": ["bf16"], "torch_compile": ["off", "inductor"], "optim": ["adamw_torch_fused"]})
+    context = BayesStrategy()._get_context(SearchState(space, 40 * GiB, MemoryModel()))
+    surrogate = context.surrogate
+    overhead_s, per_sample_s = 0.08, 0.01  # saturates at batch 8
+    cut = {"overhead": (0.3, 1.0), "per_sample": (1.0, 0.6)}[acts_on]
+
+    def log_rate(batch: int, compiled: bool) -> float:
+        o, p = (overhead_s * cut[0], per_sample_s * cut[1]) if compiled else (overhead_s, per_sample_s)
+        return math.log(batch / (o + batch * p + 0.005))
+
+    measured = [(b, c) for b in (1, 2, 4, 8, 16, 32, 64) for c in (False,)] + [(1, True), (64, True)]
+    fixed = {"precision": "bf16", "optim": "adamw_torch_fused", "gradient_accumulation_steps": 1}
+    points = [space.complete({**fixed, "per_device_train_batch_size": b, "torch_compile": "inductor" if c else "off"}) for b, c in measured]
+    targets = np.array([log_rate(b, c) for b, c in measured])
+    surrogate.set_scale(points, targets)
+    surrogate.fit_params(points, targets, np.full(len(points), 0.02**2))
+    at8 = [space.complete({**fixed, "per_device_train_batch_size": 8, "torch_compile": c}) for c in ("off", "inductor")]
+    (plain, compiled), _ = surrogate.predict_params(at8)
+    true_gain = log_rate(8, True) - log_rate(8, False)
+    assert compiled - plain == pytest.approx(true_gain, abs=0.05)
+    assert abs(true_gain - (log_rate(64, True) - log_rate(64, False))) > 0.2  # the gain differs by batch: the check can fail

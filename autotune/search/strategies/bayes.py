@@ -5,15 +5,21 @@ improvement per expected probe second:
 
     score(x) = P(runs | x) x P(fits | x) x EI(x) / E[probe seconds of x]
 
-* **EI** comes from :class:`~autotune.search.strategies.surrogate.Surrogate`: Bayesian linear
-  regression of log samples/s on per-value effects (values of one kind, such as the 16-bit
-  precisions or the compile modes, share an effect), a saturating batch curve with hinges (so a
-  peak at a middle batch size is learnt, and sizes below the frontier get measured when the curve
-  flattens), misalignment terms, and the optimizer step amortised over the samples per step. The
-  expert ordering (bf16 > fp16 > tf32 > fp32, flash > sdpa > eager, checkpointing slower) is only
-  its prior mean: it decides what is tried first, never what may be measured. Improvements count
-  beyond :data:`MIN_GAIN` (a probe's noise), and an uncompiled candidate is measured against the
-  best uncompiled configuration: compilation multiplies what it improves.
+* **EI** comes from :class:`~autotune.search.strategies.steptime.StepTimeSurrogate`: log
+  samples/s through a training step's time, ``A x (overhead + b x per-sample) + optimizer step``,
+  each part a product of per-value factors (precision, attention kernel, compile mode and
+  checkpointing act on the micro-step's overhead and per-sample time, the optimizer on its step;
+  values of one kind, such as the 16-bit precisions or the compile modes, share an effect), per-sample
+  hinges (so a peak at a middle batch size is learnt, and sizes below the frontier get measured when
+  the curve flattens) and misalignment terms, with small residuals (loader workers, accumulation,
+  per size). So a dimension's effect depends on where the batch sits on its curve, and the data say
+  where: compilation that cuts overhead gains most at small batches, compilation that speeds the
+  kernels at large ones (round 11; the log-additive :class:`~autotune.search.strategies.surrogate.Surrogate`
+  of rounds 1-10 stays behind :data:`THROUGHPUT_MODEL` for comparison). The expert ordering (bf16 >
+  fp16 > tf32 > fp32, flash > sdpa > eager, checkpointing slower) is only its prior mean: it decides
+  what is tried first, never what may be measured. Improvements count beyond :data:`MIN_GAIN` (a
+  probe's noise), and an uncompiled candidate is measured against the best uncompiled
+  configuration: compilation multiplies what it improves.
 * **Input**: a probe's ``input_wait_fraction`` splits its throughput into compute and waiting. The
   model learns the compute part; the loader's rate (per worker, and in the training process with
   0 workers) is estimated from the probes that waited and caps or slows the prediction for each
@@ -80,6 +86,7 @@ from autotune.search.ranking import Configuration, rank_configurations
 from autotune.search.strategies.base import SearchState, SeenKeys, Strategy
 from autotune.search.strategies.baselines import tpe_sampler
 from autotune.search.strategies.failures import KINDS, FailureModel
+from autotune.search.strategies.steptime import LINEAR, SCALE, StepTimeSurrogate
 from autotune.search.strategies.surrogate import ACCUM, BATCH, BlockBuilder, Grid, Surrogate, expected_improvement, normal_cdf, normal_cdf_given_above
 
 WORKERS = "dataloader_num_workers"
@@ -133,6 +140,7 @@ _WITHIN_KIND_SD = 0.06
 # one's own), the 0-worker effect is the compute model's to learn, and it can be several-fold.
 _MAIN_PROCESS_LOADING_SD = 0.7
 _TILT_SD = {"torch_compile": 0.2}  # compilation mostly cuts per-step overhead: its gain depends on the batch
+THROUGHPUT_MODEL = "steptime"  # or "linear": rounds 1-10's log-additive model (bench comparisons)
 _REFERENCE_BATCH = 8.0  # features are zero here (transformers' default batch size): no variance at the baseline's size
 
 
@@ -332,7 +340,7 @@ class _Context:
     """What depends on the space only: the grid, the surrogate's features, the memory groups."""
 
     grid: Grid
-    surrogate: Surrogate
+    surrogate: Surrogate | StepTimeSurrogate
     groups: _Groups
     batch_values: np.ndarray  # grid-broadcastable
     accum_values: np.ndarray  # grid-broadcastable (derived from the batch under a fixed effective batch size)
@@ -472,25 +480,27 @@ class BayesStrategy(Strategy):
         model's own mean (the "kriging believer"): that takes the uncertainty, so the expected
         improvement, out of them and their neighbours, without moving the mean."""
         surrogate = context.surrogate
-        rows, targets, noise = [], [], []
+        measured: list[TrialParams] = []
+        targets: list[float] = []
+        noise: list[float] = []
         for probe in ran:
             wait = min(probe.result.input_wait_fraction or 0.0, 0.9)
-            rows.append(surrogate.features(probe.params))
+            measured.append(probe.params)
             targets.append(math.log(probe.result.samples_per_s or 1.0) - math.log1p(-wait))  # the compute part
             probe_noise = max(probe.result.step_time_ci95_rel or 0.02, PROBE_NOISE_FLOOR)
             noise.append(probe_noise**2 + MODEL_NOISE**2 + (wait / (1 - wait) * 0.05) ** 2)
-        surrogate.prior_mean[surrogate.index_of("intercept")] = float(np.median(targets)) if targets else 0.0
+        surrogate.set_scale(measured, targets)
         if context.main_process_loading is not None:
             unmeasured = any(probe.result.input_wait_fraction is None for probe in ran)
             surrogate.prior_sd[context.main_process_loading] = _MAIN_PROCESS_LOADING_SD if unmeasured else _PRIOR_SD[WORKERS]
-        surrogate.fit(np.array(rows).reshape(len(rows), surrogate.n_features), np.array(targets), np.array(noise))
-        believed = [surrogate.features(params) for params in pending]
-        if believed:
-            believed_mean, _ = surrogate.predict_rows(np.array(believed))
-            rows += believed
+        surrogate.fit_params(measured, np.array(targets), np.array(noise))
+        pending = list(pending)
+        if pending:
+            believed_mean, _ = surrogate.predict_params(pending)
+            measured += pending
             targets += [float(m) for m in believed_mean]
-            noise += [PENDING_NOISE**2 + MODEL_NOISE**2] * len(believed)
-            surrogate.fit(np.array(rows).reshape(len(rows), surrogate.n_features), np.array(targets), np.array(noise))
+            noise += [PENDING_NOISE**2 + MODEL_NOISE**2] * len(pending)
+            surrogate.fit_params(measured, np.array(targets), np.array(noise))
         compute_mean, sd = surrogate.predict_grid()
         mean, cap = self._input_model(context, ran, compute_mean)
         return mean, np.maximum(sd, np.float32(MIN_SD)), cap
@@ -969,71 +979,19 @@ class BayesStrategy(Strategy):
         if self._context is not None and self._context.grid.space == state.space:
             return self._context
         grid = Grid(state.space)
-        builder = BlockBuilder(grid)
 
         def accum_of(v: dict[str, Any]) -> int:
             return grid.accumulation(v.get(BATCH, 1), v.get(ACCUM))
 
         accum_dims = (ACCUM,) if ACCUM in grid.names else ((BATCH,) if state.space.effective_batch_size else ())
         accum_values = sorted({grid.accumulation(b, a) for b in grid.values[BATCH] for a in grid.values.get(ACCUM, (1,))})
-        batch_features: list[tuple[str, Any, float, float]] = [("intercept", lambda b: 1.0, 0.0, 3.0)]
-        batch_features += [(f"curve{beta:g}", (lambda b, beta=beta: _curve(b, beta)), 1.0 / len(_SATURATION), 0.35) for beta in _SATURATION]
-        batch_features += [(f"hinge{k:g}", (lambda b, k=k: -max(0.0, math.log(b / k))), 0.0, 0.1) for k in _HINGES]
-        batch_features += [("misaligned8", lambda b: float(b % 8 != 0), -0.1, 0.1), ("misaligned64", lambda b: float(b % 64 != 0 and b % 8 == 0), -0.02, 0.03)]
-        batch_features += [(f"batch{b}", (lambda x, b=b: float(x == b)), 0.0, 0.02) for b in grid.values[BATCH]]
-        builder.add(
-            (BATCH,), [f[0] for f in batch_features], lambda v: [f[1](float(v[BATCH])) for f in batch_features],
-            [f[2] for f in batch_features], [f[3] for f in batch_features],
-        )
-        for dim in ("precision", "attn_implementation", "torch_compile", "gradient_checkpointing", "optim", WORKERS):
-            values = grid.values[dim]
-            if len(values) < 2:
-                continue
-            # Values of one kind (16-bit precisions, fused attention kernels, compile modes) share
-            # an effect, each deviating a little from it: measuring one says much about the others.
-            kinds = [(k, members) for k, members in _KINDS.get(dim, {}).items() if sum(x in members for x in values) >= 2]
-            names: list[str] = []
-            functions: list[Callable[..., float]] = []
-            means: list[float] = []
-            sds: list[float] = []
-            for kind, members in kinds:
-                inside = [x for x in values if x in members]
-                names.append(f"{dim}:{kind}")
-                functions.append(lambda x, inside=inside: float(x in inside))
-                means.append(statistics.fmean(_prior_mean(dim, x) for x in inside))
-                sds.append(_PRIOR_SD.get(dim, 0.1))
-            for x in values:
-                kind_mean = next((m for (k, members), m in zip(kinds, means) if x in members), None)
-                names.append(f"{dim}={x}")
-                functions.append(lambda v, x=x: float(v == x))
-                means.append(_prior_mean(dim, x) - (kind_mean or 0.0))
-                sds.append(_WITHIN_KIND_SD if kind_mean is not None else _PRIOR_SD.get(dim, 0.1))
-            builder.add((dim,), names, _of_value(dim, functions), means, sds)
-            if dim not in ("optim", WORKERS):  # faster kernels saturate at larger batches
-                tilt_sd = _TILT_SD.get(dim, 0.08)
-                builder.add((dim, BATCH), [f"{n}:tilt" for n in names],
-                            _of_value(dim, functions, tilted=True),
-                            0.0, [tilt_sd if not n.startswith(f"{dim}=") or sd != _WITHIN_KIND_SD else tilt_sd / 3 for n, sd in zip(names, sds)])
-        if accum_dims and len(accum_values) > 1:  # per-micro-batch overheads of accumulating
-            builder.add(accum_dims, [f"accum={a}" for a in accum_values], lambda v: [float(accum_of(v) == a) for a in accum_values],
-                        0.0, _PRIOR_SD[ACCUM])
-        # The optimizer step is paid once per optimizer step, so its share falls with the samples per
-        # step (batch x accumulation) like a step's overhead falls with the batch: the same saturating
-        # curve, in samples per step, one per optimizer (their steps differ several-fold).
-        optims = grid.values["optim"]
-        step_dims = (*accum_dims, BATCH, "optim")
-
-        def per_step(v: dict[str, Any]) -> list[float]:
-            samples = float(v[BATCH]) * accum_of(v)
-            curves = [_curve(samples, beta) for beta in _STEP_SATURATION]
-            return curves + [c * float(v["optim"] == o) for o in optims for c in curves]
-
-        builder.add(step_dims, [f"step{b:g}" for b in _STEP_SATURATION] + [f"step{b:g}:{o}" for o in optims for b in _STEP_SATURATION],
-                    per_step, [0.05] * len(_STEP_SATURATION) + [0.0] * (len(optims) * len(_STEP_SATURATION)),
-                    [0.15] * len(_STEP_SATURATION) + [0.1] * (len(optims) * len(_STEP_SATURATION)))
-        surrogate = Surrogate(grid, builder.blocks)
         batch_values = grid.along((BATCH,), lambda **v: float(v[BATCH]))
         accum_grid = grid.along(accum_dims, lambda **v: float(accum_of(v))) if accum_dims else np.ones(grid.broadcast_shape(()))
+        surrogate: Surrogate | StepTimeSurrogate
+        if THROUGHPUT_MODEL == "steptime":
+            surrogate = _step_time_surrogate(grid, accum_dims, accum_values, accum_of, batch_values, accum_grid)
+        else:
+            surrogate = _linear_surrogate(grid, accum_dims, accum_values, accum_of)
         groups = _Groups.of(grid)
         other_axes = tuple(i for i, n in enumerate(grid.names) if n not in groups.dims)
         compile_values = np.array(grid.values["torch_compile"], dtype=object).reshape(grid.broadcast_shape(("torch_compile",)))
@@ -1041,3 +999,159 @@ class BayesStrategy(Strategy):
         if WORKERS in grid.names and 0 in grid.values[WORKERS] and len(grid.values[WORKERS]) > 1:
             self._context.main_process_loading = surrogate.index_of(f"{WORKERS}=0")
         return self._context
+
+
+# ---------------------------------------------------------------------- rounds 1-10's log-additive model's features
+
+
+def _linear_surrogate(grid: Grid, accum_dims: tuple[str, ...], accum_values: list[int], accum_of: Callable[[dict[str, Any]], int]) -> Surrogate:
+    """Per-value effects on log samples/s, a saturating batch curve, per-dimension tilts of it and
+    the optimizer step amortised over the samples per step (see :mod:`.surrogate`)."""
+    builder = BlockBuilder(grid)
+    batch_features: list[tuple[str, Any, float, float]] = [("intercept", lambda b: 1.0, 0.0, 3.0)]
+    batch_features += [(f"curve{beta:g}", (lambda b, beta=beta: _curve(b, beta)), 1.0 / len(_SATURATION), 0.35) for beta in _SATURATION]
+    batch_features += [(f"hinge{k:g}", (lambda b, k=k: -max(0.0, math.log(b / k))), 0.0, 0.1) for k in _HINGES]
+    batch_features += [("misaligned8", lambda b: float(b % 8 != 0), -0.1, 0.1), ("misaligned64", lambda b: float(b % 64 != 0 and b % 8 == 0), -0.02, 0.03)]
+    batch_features += [(f"batch{b}", (lambda x, b=b: float(x == b)), 0.0, 0.02) for b in grid.values[BATCH]]
+    builder.add(
+        (BATCH,), [f[0] for f in batch_features], lambda v: [f[1](float(v[BATCH])) for f in batch_features],
+        [f[2] for f in batch_features], [f[3] for f in batch_features],
+    )
+    for dim in ("precision", "attn_implementation", "torch_compile", "gradient_checkpointing", "optim", WORKERS):
+        values = grid.values[dim]
+        if len(values) < 2:
+            continue
+        # Values of one kind (16-bit precisions, fused attention kernels, compile modes) share
+        # an effect, each deviating a little from it: measuring one says much about the others.
+        kinds = [(k, members) for k, members in _KINDS.get(dim, {}).items() if sum(x in members for x in values) >= 2]
+        names: list[str] = []
+        functions: list[Callable[..., float]] = []
+        means: list[float] = []
+        sds: list[float] = []
+        for kind, members in kinds:
+            inside = [x for x in values if x in members]
+            names.append(f"{dim}:{kind}")
+            functions.append(lambda x, inside=inside: float(x in inside))
+            means.append(statistics.fmean(_prior_mean(dim, x) for x in inside))
+            sds.append(_PRIOR_SD.get(dim, 0.1))
+        for x in values:
+            kind_mean = next((m for (k, members), m in zip(kinds, means) if x in members), None)
+            names.append(f"{dim}={x}")
+            functions.append(lambda v, x=x: float(v == x))
+            means.append(_prior_mean(dim, x) - (kind_mean or 0.0))
+            sds.append(_WITHIN_KIND_SD if kind_mean is not None else _PRIOR_SD.get(dim, 0.1))
+        builder.add((dim,), names, _of_value(dim, functions), means, sds)
+        if dim not in ("optim", WORKERS):  # faster kernels saturate at larger batches
+            tilt_sd = _TILT_SD.get(dim, 0.08)
+            builder.add((dim, BATCH), [f"{n}:tilt" for n in names],
+                        _of_value(dim, functions, tilted=True),
+                        0.0, [tilt_sd if not n.startswith(f"{dim}=") or sd != _WITHIN_KIND_SD else tilt_sd / 3 for n, sd in zip(names, sds)])
+    if accum_dims and len(accum_values) > 1:  # per-micro-batch overheads of accumulating
+        builder.add(accum_dims, [f"accum={a}" for a in accum_values], lambda v: [float(accum_of(v) == a) for a in accum_values],
+                    0.0, _PRIOR_SD[ACCUM])
+    # The optimizer step is paid once per optimizer step, so its share falls with the samples per
+    # step (batch x accumulation) like a step's overhead falls with the batch: the same saturating
+    # curve, in samples per step, one per optimizer (their steps differ several-fold).
+    optims = grid.values["optim"]
+    step_dims = (*accum_dims, BATCH, "optim")
+
+    def per_step(v: dict[str, Any]) -> list[float]:
+        samples = float(v[BATCH]) * accum_of(v)
+        curves = [_curve(samples, beta) for beta in _STEP_SATURATION]
+        return curves + [c * float(v["optim"] == o) for o in optims for c in curves]
+
+    builder.add(step_dims, [f"step{b:g}" for b in _STEP_SATURATION] + [f"step{b:g}:{o}" for o in optims for b in _STEP_SATURATION],
+                per_step, [0.05] * len(_STEP_SATURATION) + [0.0] * (len(optims) * len(_STEP_SATURATION)),
+                [0.15] * len(_STEP_SATURATION) + [0.1] * (len(optims) * len(_STEP_SATURATION)))
+    return Surrogate(grid, builder.blocks)
+
+
+# ---------------------------------------------------------------------- the step-time model's features
+
+# Prior means and sds of per-value effects on a micro-step's overhead (log seconds): kernel launches
+# and Python per step; compilation fuses kernels (and max-autotune's CUDA graphs replay them), so
+# its prior is a cut, of uncertain size; checkpointing adds the recomputed forward's launches.
+_OVERHEAD_PRIOR: dict[str, tuple[dict[Any, float], float, float]] = {  # dim: (means, sd, sd within a kind)
+    "precision": ({}, 0.3, 0.06),
+    "attn_implementation": ({}, 0.15, 0.06),
+    "torch_compile": ({"off": 0.0, "compiled": -0.4}, 0.5, 0.15),  # "compiled": every other mode
+    "gradient_checkpointing": ({True: 0.1}, 0.2, 0.2),
+}
+_PER_SAMPLE_SD = {"precision": 0.35, "attn_implementation": 0.12, "torch_compile": 0.15, "gradient_checkpointing": 0.1}
+_STEP_PRIOR = {"adamw_torch": 0.6, "adamw_torch_fused": 0.0, "adafactor": 0.5, "adamw_bnb_8bit": 0.0}
+_STEP_SD = 0.5
+_OVERHEAD_AT = math.log(2.0)  # overhead / per-sample time at the base values (fp32, eager): saturation near batch 2
+_STEP_AT = math.log(0.7)  # a fused AdamW step / one sample's work at the base values
+_STEP_TIME_SD = {SCALE: 3.0, "overhead": 1.5, "step": 1.5}
+
+
+def _ONE(v: dict[str, Any]) -> list[float]:
+    return [1.0]
+
+
+def _lookup(table: dict[Any, float], default: float) -> Callable[[Any], float]:
+    return lambda x: table.get(x, default)
+
+
+def _value_blocks(builder: BlockBuilder, dim: str, prefix: str, mean_of: Callable[[Any], float], sd: float, within_sd: float) -> None:
+    """One feature per value of ``dim``, plus one per kind shared by its members (see _KINDS)."""
+    values = builder.grid.values[dim]
+    kinds = [(k, [x for x in values if x in members]) for k, members in _KINDS.get(dim, {}).items()]
+    kinds = [(k, inside) for k, inside in kinds if len(inside) >= 2]
+    names: list[str] = []
+    functions: list[Callable[..., float]] = []
+    means: list[float] = []
+    sds: list[float] = []
+    for kind, inside in kinds:
+        names.append(f"{prefix}{dim}:{kind}")
+        functions.append(lambda x, inside=inside: float(x in inside))
+        means.append(statistics.fmean(mean_of(x) for x in inside))
+        sds.append(sd)
+    for x in values:
+        kind_at = next((m for (k, inside), m in zip(kinds, means) if x in inside), None)
+        names.append(f"{prefix}{dim}={x}")
+        functions.append(lambda v, x=x: float(v == x))
+        means.append(mean_of(x) - (kind_at or 0.0))
+        sds.append(within_sd if kind_at is not None else sd)
+    builder.add((dim,), names, _of_value(dim, functions), means, sds)
+
+
+def _step_time_surrogate(grid: Grid, accum_dims: tuple[str, ...], accum_values: list[int], accum_of: Callable[[dict[str, Any]], int],
+                         batch_values: np.ndarray, accum_grid: np.ndarray) -> StepTimeSurrogate:
+    """The step-time model's features (see :mod:`.steptime`): per-value effects on a micro-step's
+    overhead and per-sample time, the optimizer's on its step, and small residuals."""
+    terms = {name: BlockBuilder(grid) for name in ("overhead", "per_sample", "step", LINEAR)}
+    for name, builder in terms.items():
+        if name != LINEAR:
+            builder.add((), [SCALE], _ONE, 0.0, _STEP_TIME_SD[SCALE])
+    terms["overhead"].add((), ["overhead"], _ONE, _OVERHEAD_AT, _STEP_TIME_SD["overhead"])
+    terms["step"].add((), ["step"], _ONE, _STEP_AT, _STEP_TIME_SD["step"])
+    for dim in ("precision", "attn_implementation", "torch_compile", "gradient_checkpointing"):
+        if len(grid.values[dim]) < 2:
+            continue
+        prior, sd, within = _OVERHEAD_PRIOR[dim]
+        if dim == "torch_compile":
+            prior = {x: prior["off" if x == "off" else "compiled"] for x in grid.values[dim]}
+        _value_blocks(terms["overhead"], dim, "o:", _lookup(prior, 0.0), sd, within)
+        # Per-sample time: the expert ordering of speeds, as log seconds (faster is less).
+        per_sample = {x: -_prior_mean(dim, x) for x in grid.values[dim]}
+        _value_blocks(terms["per_sample"], dim, "p:", _lookup(per_sample, 0.0), _PER_SAMPLE_SD[dim], _WITHIN_KIND_SD)
+    if len(grid.values["optim"]) >= 2:
+        _value_blocks(terms["step"], "optim", "s:", _lookup(_STEP_PRIOR, 0.3), _STEP_SD, _STEP_SD)
+    # Past a middle size a sample may cost more (the hinges), and misaligned batches run slower kernels.
+    batch_features: list[tuple[str, Any, float, float]] = [
+        (f"hinge{k:g}", (lambda b, k=k: max(0.0, math.log(b / k))), 0.0, 0.1) for k in _HINGES]
+    batch_features += [("misaligned8", lambda b: float(b % 8 != 0), 0.1, 0.1), ("misaligned64", lambda b: float(b % 64 != 0 and b % 8 == 0), 0.02, 0.03)]
+    terms["per_sample"].add((BATCH,), [f[0] for f in batch_features], lambda v: [f[1](float(v[BATCH])) for f in batch_features],
+                            [f[2] for f in batch_features], [f[3] for f in batch_features])
+    residual = terms[LINEAR]
+    residual.add((BATCH,), [f"batch{b}" for b in grid.values[BATCH]], lambda v: [float(v[BATCH] == b) for b in grid.values[BATCH]], 0.0, 0.02)
+    if WORKERS in grid.names and len(grid.values[WORKERS]) >= 2:
+        values = grid.values[WORKERS]
+        residual.add((WORKERS,), [f"{WORKERS}={x}" for x in values], lambda v: [float(v[WORKERS] == x) for x in values], 0.0, _PRIOR_SD[WORKERS])
+    if accum_dims and len(accum_values) > 1:
+        residual.add(accum_dims, [f"accum={a}" for a in accum_values], lambda v: [float(accum_of(v) == a) for a in accum_values], 0.0, _PRIOR_SD[ACCUM])
+    log_accum = np.log(accum_grid)
+    log_batch = np.log(batch_values)
+    offsets = {"overhead": log_accum, "per_sample": log_accum + log_batch, "step": np.zeros(grid.broadcast_shape(()))}
+    return StepTimeSurrogate(grid, {name: builder.blocks for name, builder in terms.items()}, offsets, log_accum + log_batch)

@@ -177,6 +177,16 @@ class Surrogate:
         self.cov = inverse.T @ inverse
         self.mean = self.cov @ rhs
 
+    def set_scale(self, params: Sequence[TrialParams], targets: Sequence[float]) -> None:
+        """Centre the intercept's prior on the measurements (log samples/s varies by orders of magnitude)."""
+        self.prior_mean[self.index_of("intercept")] = float(np.median(targets)) if len(targets) else 0.0
+
+    def fit_params(self, params: Sequence[TrialParams], targets: np.ndarray, noise_var: np.ndarray) -> None:
+        self.fit(np.array([self.features(p) for p in params]).reshape(len(params), self.n_features), targets, noise_var)
+
+    def predict_params(self, params: Sequence[TrialParams]) -> tuple[np.ndarray, np.ndarray]:
+        return self.predict_rows(np.array([self.features(p) for p in params]).reshape(len(params), self.n_features))
+
     def predict_rows(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         mean = rows @ self.mean
         var = np.einsum("ij,jk,ik->i", rows, self.cov, rows)

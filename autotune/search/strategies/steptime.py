@@ -1,0 +1,230 @@
+"""A model of log samples/s built from a training step's time: overhead, per-sample work, optimizer step.
+
+A training step of ``A`` micro-batches of ``b`` samples takes ``A x (overhead + b x per_sample) +
+optimizer_step`` seconds, so::
+
+    log samples/s = log(A b) - log(exp(L_overhead) + exp(L_per_sample) + exp(L_step)) + residual
+
+with ``L_overhead = log A + log overhead``, ``L_per_sample = log A + log b + log per_sample`` and
+``L_step = log optimizer_step``, each the sum of per-value effects of the dimensions that act on it
+(precision, attention kernel, compile mode and checkpointing on the micro-step's overhead and its
+per-sample time; the optimizer on its step) and ``residual`` small terms that do not split that way
+(loader workers, accumulation, per-size deviations).
+
+What this says that a sum of per-value effects on log samples/s cannot: a dimension's effect
+depends on where the batch sits on its curve. Compilation that cuts a step's overhead gains most at
+small batches, compilation that speeds the kernels gains most at large ones, and the data decide
+which (a measurement at one batch says how much it gains at another); a faster kernel saturates at a
+larger batch; accumulation amortises the optimizer step exactly. The saturation point (overhead over
+per-sample time) is learnt, not fixed by a basis.
+
+Inference is Laplace's: the posterior mode by damped Gauss-Newton under Gaussian priors (the expert
+ordering enters only as prior means), the covariance from the Hessian there. A prediction over the
+whole grid linearises around the mode: its mean is exact, its variance ``J S J'`` with ``J`` the sum
+of each term's features weighted by its share of the step time at that point (``-share_k x F_k``).
+The features are small blocks over a few dimensions (as in :mod:`.surrogate`), so the variance is a
+sum over pairs of terms of grid-wide share products times block-pair sums; the grid's Jacobian is
+never built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from autotune.params import TrialParams
+from autotune.search.strategies.surrogate import Block, Grid, _collapse_plan, _merged
+
+TERMS = ("overhead", "per_sample", "step")  # the parts of a step's time, in the log-sum-exp
+LINEAR = "residual"  # added to log samples/s directly
+SCALE = "scale"  # the feature every term shares: the log seconds of one sample's work at the base values
+_GN_ITERATIONS = 30
+_GN_TOLERANCE = 1e-7
+
+
+@dataclass
+class _Placed:
+    """A block with the global index of each of its features."""
+
+    block: Block
+    index: np.ndarray
+    tensor32: np.ndarray
+
+
+class StepTimeSurrogate:
+    """Laplace-approximated Bayesian regression of log samples/s through a step-time model.
+
+    ``components`` maps each of :data:`TERMS` and :data:`LINEAR` to its feature blocks; a feature
+    named alike in two components is one parameter (the intercepts of the three terms share one
+    scale). ``offsets`` maps each term to a grid-broadcastable array added to it (``log A``, ``log A
+    + log b``, 0), and ``base`` is ``log(A b)``.
+    """
+
+    def __init__(self, grid: Grid, components: dict[str, list[Block]], offsets: dict[str, np.ndarray], base: np.ndarray) -> None:
+        self.grid = grid
+        names: list[str] = []
+        means: dict[str, float] = {}
+        sds: dict[str, float] = {}
+        self.components: dict[str, list[_Placed]] = {}
+        for component in (*TERMS, LINEAR):
+            placed = []
+            for block in _merged(grid, components.get(component, [])):
+                for name, mean, sd in zip(block.names, block.prior_mean, block.prior_sd):
+                    if name not in means:
+                        names.append(name)
+                        means[name], sds[name] = float(mean), float(sd)
+                placed.append(_Placed(block, np.array([names.index(n) for n in block.names]), block.tensor.astype(np.float32)))
+            self.components[component] = placed
+        self.names = tuple(names)
+        self.n_features = len(names)
+        self.prior_mean = np.array([means[n] for n in names])
+        self.prior_sd = np.array([sds[n] for n in names])
+        self.offsets = {t: np.asarray(offsets[t], dtype=float) for t in TERMS}
+        self.base = np.asarray(base, dtype=float)
+        self.mean = self.prior_mean.copy()
+        self.cov = np.diag(self.prior_sd**2)
+        self._mode: np.ndarray | None = None  # the last mode found: the next fit starts there
+        self._plans: dict[tuple[tuple[int, ...], ...], tuple[list[tuple[int, int]], list[int]]] = {}
+
+    def index_of(self, name: str) -> int:
+        return self.names.index(name)
+
+    def set_scale(self, params: Sequence[TrialParams], targets: Sequence[float]) -> None:
+        """Centre the shared scale's prior so that the prior's predictions match the measurements' median.
+
+        The scale is in all three terms, so it shifts every prediction by minus itself."""
+        scale = self.index_of(SCALE)
+        self.prior_mean[scale] = 0.0
+        if len(targets):
+            rows, offsets, base = self._rows(params)
+            value, _ = self._evaluate(self.prior_mean, rows, offsets, base)
+            self.prior_mean[scale] = float(np.median(value - np.asarray(targets, dtype=float)))
+
+    # ------------------------------------------------------------------ one configuration at a time
+
+    def _codes(self, params: TrialParams) -> tuple[int, ...]:
+        return tuple(self.grid._codes[n][getattr(params, n)] for n in self.grid.names)
+
+    def _rows(self, params: Sequence[TrialParams]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], np.ndarray]:
+        """Per component, the feature rows (configurations x parameters); per term, its offsets; the base."""
+        codes = [self._codes(p) for p in params]
+        rows = {c: np.zeros((len(params), self.n_features)) for c in self.components}
+        for component, placed in self.components.items():
+            for item in placed:
+                shape = item.block.tensor.shape[:-1]
+                for r, code in enumerate(codes):
+                    at = tuple(c if shape[i] > 1 else 0 for i, c in enumerate(code))
+                    rows[component][r, item.index] += item.block.tensor[at]
+        def pick(array: np.ndarray) -> np.ndarray:
+            return np.array([array[tuple(c if array.shape[i] > 1 else 0 for i, c in enumerate(code))] for code in codes], dtype=float)
+        return rows, {t: pick(self.offsets[t]) for t in TERMS}, pick(self.base)
+
+    @staticmethod
+    def _evaluate(theta: np.ndarray, rows: dict[str, np.ndarray], offsets: dict[str, np.ndarray], base: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Predictions and their Jacobian at ``theta``."""
+        logs = np.stack([rows[t] @ theta + offsets[t] for t in TERMS])
+        top = logs.max(axis=0)
+        weights = np.exp(logs - top)
+        total = weights.sum(axis=0)
+        shares = weights / total
+        value = base - (top + np.log(total)) + rows[LINEAR] @ theta
+        jacobian = rows[LINEAR] - sum(shares[k][:, None] * rows[t] for k, t in enumerate(TERMS))
+        return value, jacobian
+
+    def fit_params(self, params: Sequence[TrialParams], targets: np.ndarray, noise_var: np.ndarray) -> None:
+        """The posterior mode and its Laplace covariance given measured log samples/s."""
+        precision_prior = 1.0 / self.prior_sd**2
+        theta = self.prior_mean.copy() if self._mode is None or len(self._mode) != self.n_features else self._mode.copy()
+        if len(targets) == 0:
+            self.mean, self.cov = self.prior_mean.copy(), np.diag(self.prior_sd**2)
+            return
+        rows, offsets, base = self._rows(params)
+        weights = 1.0 / np.asarray(noise_var, dtype=float)
+        targets = np.asarray(targets, dtype=float)
+
+        def objective(t: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
+            value, jacobian = self._evaluate(t, rows, offsets, base)
+            residual = targets - value
+            return 0.5 * float(weights @ residual**2 + precision_prior @ (t - self.prior_mean) ** 2), residual, jacobian
+
+        loss, residual, jacobian = objective(theta)
+        for _ in range(_GN_ITERATIONS):
+            hessian = (jacobian * weights[:, None]).T @ jacobian + np.diag(precision_prior)
+            gradient = jacobian.T @ (weights * residual) - precision_prior * (theta - self.prior_mean)
+            step = np.linalg.solve(hessian, gradient)
+            scale, improved = 1.0, False
+            while scale > 1e-4:
+                candidate = theta + scale * step
+                new_loss, new_residual, new_jacobian = objective(candidate)
+                if new_loss <= loss:
+                    improved = True
+                    break
+                scale *= 0.5
+            if not improved:
+                break
+            done = loss - new_loss < _GN_TOLERANCE * max(1.0, loss)
+            theta, loss, residual, jacobian = candidate, new_loss, new_residual, new_jacobian
+            if done:
+                break
+        hessian = (jacobian * weights[:, None]).T @ jacobian + np.diag(precision_prior)
+        chol = np.linalg.cholesky(hessian)
+        inverse = np.linalg.inv(chol)
+        self.cov = inverse.T @ inverse
+        self.mean = theta
+        self._mode = theta.copy()
+
+    def predict_params(self, params: Sequence[TrialParams]) -> tuple[np.ndarray, np.ndarray]:
+        rows, offsets, base = self._rows(params)
+        value, jacobian = self._evaluate(self.mean, rows, offsets, base)
+        var = np.einsum("ij,jk,ik->i", jacobian, self.cov, jacobian)
+        return value, np.sqrt(np.maximum(var, 0.0))
+
+    # ------------------------------------------------------------------ the whole grid
+
+    def _sum(self, placed: list[_Placed], vector: np.ndarray) -> np.ndarray:
+        return self._collapse([p.tensor32 @ vector[p.index] for p in placed])
+
+    def predict_grid(self) -> tuple[np.ndarray, np.ndarray]:
+        """Posterior mean and standard deviation of log samples/s at every grid point (grid-shaped)."""
+        theta32 = self.mean.astype(np.float32)
+        logs = [self._sum(self.components[t], theta32) + self.offsets[t].astype(np.float32) for t in TERMS]
+        top = np.maximum(np.maximum(logs[0], logs[1]), logs[2])
+        exps = [np.exp(log - top) for log in logs]
+        total = exps[0] + exps[1] + exps[2]
+        shares = [e / total for e in exps]
+        mean = self.base.astype(np.float32) - (top + np.log(total)) + self._sum(self.components[LINEAR], theta32)
+        # J = F_linear - sum_k share_k F_k; Var = sum over pairs of components of c_k c_l (F_k S F_l').
+        coefficient = {LINEAR: None, **{t: shares[k] for k, t in enumerate(TERMS)}}
+        cov32 = self.cov.astype(np.float32)
+        names = list(coefficient)
+        var = np.zeros(self.grid.shape, dtype=np.float32)
+        for i, a in enumerate(names):
+            for b in names[i:]:
+                terms = []
+                for pa in self.components[a]:
+                    for pb in self.components[b]:
+                        terms.append(((pa.tensor32 @ cov32[np.ix_(pa.index, pb.index)]) * pb.tensor32).sum(-1))
+                if not terms:
+                    continue
+                part = self._collapse(terms) * (1.0 if a == b else 2.0)
+                for c in (coefficient[a], coefficient[b]):
+                    if c is not None:
+                        part = part * -c
+                var += part
+        return mean, np.sqrt(np.maximum(var, 0.0))
+
+    def _collapse(self, terms: list[np.ndarray]) -> np.ndarray:
+        shapes = tuple(t.shape for t in terms)
+        plan = self._plans.get(shapes)
+        if plan is None:
+            plan = self._plans[shapes] = _collapse_plan(shapes)
+        hosts, roots = plan
+        terms = list(terms)
+        for source, target in hosts:
+            terms[target] = terms[target] + terms[source]
+        out = np.zeros(self.grid.shape, dtype=np.float32)
+        for root in roots:
+            out += terms[root]
+        return out
