@@ -73,7 +73,8 @@ from autotune.space import SearchSpace, load_space
 
 GiB = 2**30
 FAMILY_VERSION = 1  # part of every draw's seed: a changed generator is a different family
-HELDOUT_START = 100_000
+RANGE_SPAN = 100_000  # every range of draws starts at a multiple of this (bench.search's heldoutN at N x RANGE_SPAN)
+HELDOUT_START = RANGE_SPAN
 RANGES = {"design": 0, "heldout": HELDOUT_START}
 
 OK, OOM, CRASH_START, CRASH_COMPILE, DIVERGED = 0, 1, 2, 3, 4
@@ -404,10 +405,15 @@ class Landscape:
             self._grid = self.outcomes(columns)
         return columns, self._grid
 
+    def fits(self, out: Outcomes) -> np.ndarray:
+        """Which outcomes run and fit under the ceiling, in whole bytes as a probe reports its peak
+        (a tight draw's ceiling can sit a fraction of a byte under its frugal configuration's peak)."""
+        return (out.status == OK) & (np.floor(out.peak_bytes) <= self.ceiling_bytes)
+
     def true_best(self) -> tuple[TrialParams, float]:
         """The noise-free fastest configuration under the ceiling, and its samples/s."""
         columns, out = self.grid()
-        fits = (out.status == OK) & (out.peak_bytes <= self.ceiling_bytes)
+        fits = self.fits(out)
         if not fits.any():
             raise ValueError(f"draw {self.shape.draw}: nothing fits under the ceiling")
         i = int(np.argmax(np.where(fits, out.samples_per_s, -1.0)))

@@ -9,7 +9,8 @@
     python -m bench.search --family heldout3 --draws 200 --budgets 10m,30m,60m # a third, untouched until round 6 was frozen
     python -m bench.search --family heldout4 --draws 200 --budgets 10m,30m,60m # a fourth, run once after round 8 was frozen
     python -m bench.search --family heldout5 --draws 200 --budgets 10m,30m,60m # a fifth, run once on round 8's strategy (2026-11-23)
-    python -m bench.search --family heldout6 --draws 200 --budgets 10m,30m,60m # a sixth, untouched until the next design is frozen
+    python -m bench.search --family heldout6 --draws 200 --budgets 10m,30m,60m # a sixth, run once on round 11's strategy
+    python -m bench.search --family heldout7 --draws 200 --budgets 10m,30m,60m # a seventh, untouched until the next design is frozen
     python -m bench.search --family design --draws 400 --budgets 30m --strategies bayes --details after.csv
     python -m bench.search --compare before.csv after.csv    # paired, draw by draw, with the 5th percentile's bootstrap interval
     python -m bench.search --family design --draws 400 --budgets 30m --strategies bayes --noise-stream 1  # the same, other probe noise
@@ -21,9 +22,10 @@ second design round and run only once it was frozen), ``heldout3`` = draws 30000
 untouched through design rounds 3-6, run once the sixth was frozen), ``heldout4`` = draws
 400000-400199 (defined before design round 8, run once after it was frozen), ``heldout5`` = draws
 500000-500199 (defined after round 8, run once on round 8's strategy, unchanged, to see how far two
-ranges differ), ``heldout6`` = draws 600000-600199 (defined then, before any later design;
-untouched). All seven come from the same frozen generator (``bench.family.FAMILY_VERSION``);
-``heldout2`` to ``heldout6`` are defined here, not in ``bench.family``.
+ranges differ), ``heldout6`` = draws 600000-600199 (defined then, run once on round 11's strategy), ``heldout7`` =
+draws 700000-700199 (defined after round 11; untouched). All eight come from the same frozen
+generator (``bench.family.FAMILY_VERSION``); ``heldout2`` to ``heldout7`` are defined here
+(``heldoutN`` starts at draw N x 100,000), not in ``bench.family``.
 
 Family mode runs one search per strategy, draw and budget (separate searches, seed = the draw's
 index in its range), two processes by default, and prints per strategy and budget the median, 5th
@@ -78,13 +80,10 @@ DEFAULT_TABLES = (
 STRATEGY_NAMES = ("bayes", "frontier", "tpe", "random")
 GPU_REPORTS = Path(__file__).resolve().parent.parent / "reports" / "gpu"
 GPU_SEEDS = 5  # family mode: seeds per GPU-recorded table and budget
-# First draw of each family range: bench.family's ranges plus a second held-out range, added when the
-# first held-out range had been seen once with bayes (nobody ran bayes on it before its design froze).
-HELDOUT2_START = 200_000
-HELDOUT3_START = 300_000
-HELDOUT4_START = 400_000
-HELDOUT5_START = 500_000
-HELDOUT6_START = 600_000
+# Further held-out ranges: heldoutN starts at draw N x bench.family.RANGE_SPAN (heldout, from
+# bench.family, is the first). Each was added when the one before it had been seen, and is run once a
+# design is frozen.
+LAST_HELDOUT = 7  # heldout7 (700000-...) is untouched: defined after round 11, for the next design
 CHANGED = 0.005  # --compare: a draw whose ratio moved more than this changed
 BOOTSTRAP_RESAMPLES = 2000
 
@@ -95,11 +94,10 @@ def _budget_label(budget_s: float) -> str:
 
 
 def family_ranges() -> dict[str, int]:
-    """``{range name: first draw}``: ``design``, ``heldout`` (from bench.family), ``heldout2`` to ``heldout6``."""
-    from bench.family import RANGES
+    """``{range name: first draw}``: ``design``, ``heldout`` (from bench.family), ``heldout2`` to ``heldout7``."""
+    from bench.family import RANGE_SPAN, RANGES
 
-    return {**RANGES, "heldout2": HELDOUT2_START, "heldout3": HELDOUT3_START, "heldout4": HELDOUT4_START, "heldout5": HELDOUT5_START,
-            "heldout6": HELDOUT6_START}
+    return {**RANGES, **{f"heldout{n}": n * RANGE_SPAN for n in range(2, LAST_HELDOUT + 1)}}
 
 
 def gpu_tables(root: Path = GPU_REPORTS) -> list[str]:
@@ -233,7 +231,7 @@ def family_search(strategy: Any, draw: int, budget_s: float, seed: int, log: lis
     if ranked:
         found = landscape.noise_free(ranked[0].params)
         row["ratio"] = float(found.samples_per_s[0]) / true_sps
-        row["over_ceiling"] = int(found.peak_bytes[0] > landscape.ceiling_bytes or found.status[0] != 0)
+        row["over_ceiling"] = int(not landscape.fits(found)[0])
         row["found"] = ranked[0].params.short()
     return row
 
@@ -256,7 +254,7 @@ def _family_task(task: tuple[str, int, float, int, int]) -> dict[str, Any]:
 
 
 def bench_family(family: str, draws: int, strategies: list[str], budgets_s: list[float], processes: int, noise_stream: int = 0) -> list[dict[str, Any]]:
-    """Every strategy x budget on ``draws`` landscapes of the range ``family`` (``design``, ``heldout``, ``heldout2`` to ``heldout6``)."""
+    """Every strategy x budget on ``draws`` landscapes of the range ``family`` (``design``, ``heldout``, ``heldout2`` to ``heldout7``)."""
     start = family_ranges()[family]
     tasks = [(strategy, start + i, budget_s, i, noise_stream) for i in range(draws) for strategy in strategies for budget_s in budgets_s]
     return _map(_family_task, tasks, processes, chunksize=max(1, len(strategies) * len(budgets_s)))

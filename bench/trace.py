@@ -35,9 +35,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from autotune.units import parse_duration_s
+from bench.family import RANGE_SPAN  # a draw's seed is its index in its range
 
 GiB = 2**30
-RANGE_SPAN = 100_000  # bench.search's ranges start at multiples of this: a draw's seed is its index in its range
 
 
 def trace(draw: int, budget_s: float, strategy: str = "bayes", out: Any = None) -> dict[str, Any]:
