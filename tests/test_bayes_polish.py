@@ -152,6 +152,33 @@ def test_polishing_keeps_time_for_the_models_pick_that_combines_factors_measured
     assert proposal is not None and proposal.short() == "bs32x1 fp16 adamw_torch_fused sdpa compile=inductor"
 
 
+def test_the_models_pick_for_polishing_counts_the_chance_that_it_runs() -> None:
+    # The same probes, but fp16 has crashed in two contexts (P(runs) 0.01): the fastest expected
+    # configuration known to fit is still fp16 compiled, but the pick is worth its chance to run
+    # times its expected gain, so the time is kept for a bf16 configuration instead.
+    space = parse_space({"per_device_train_batch_size": [8, 16, 32], "precision": ["bf16", "fp16"], "torch_compile": ["off", "inductor"]})
+    history = [_ok(0, 100.0, precision="bf16", per_device_train_batch_size=32), _ok(1, 110.0, precision="fp16", per_device_train_batch_size=32),
+               _ok(2, 130.0, wall_s=120.0, precision="bf16", per_device_train_batch_size=32, torch_compile="inductor"),
+               _ok(3, 90.0, precision="bf16", per_device_train_batch_size=16)]
+    memory = MemoryModel()
+    memory.observe_all((p.params, p.result) for p in history)
+    strategy = BayesStrategy()
+    state = SearchState(space, 40 * GiB, memory, history, {p.params.key() for p in history}, 1800.0)
+    strategy.propose(state)
+    context = strategy._get_context(state)
+    grid = context.grid
+    model = strategy._throughput(context, list(history))
+    cost_ok, _ = strategy._costs(context, list(history), model[0])
+    allowed = np.ones(grid.shape, dtype=bool)
+    allowed.reshape(-1)[[grid.flat_index(p.params) for p in history]] = False
+    known_fit = strategy._batch_grid(context, MemoryEvidence.of(context.groups, grid, history, state.ceiling_bytes).known_fit)
+    p_ok = np.array([0.01 if grid.params_at(i).precision == "fp16" else 1.0 for i in range(grid.size)]).reshape(grid.shape)
+    _, _, order = strategy._polish_reserve(context, state, state.feasible(), model, p_ok, cost_ok, allowed, known_fit)
+    assert order and all(grid.params_at(i).precision == "bf16" for i in order)
+    _, _, trusting = strategy._polish_reserve(context, state, state.feasible(), model, np.ones(grid.shape), cost_ok, allowed, known_fit)
+    assert any(grid.params_at(i).precision == "fp16" for i in trusting)  # where fp16 runs, it is the pick
+
+
 def _compiled(number: int, compile_s: float, **values) -> Probe:
     """A compiled probe whose warm-up held ``compile_s`` of compilation."""
     probe = _ok(number, 100.0, torch_compile="inductor", precision="bf16", **values)

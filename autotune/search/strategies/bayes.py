@@ -739,9 +739,13 @@ class BayesStrategy(Strategy):
         # configuration needing no more memory fitted at a batch no smaller). Factors measured in
         # different places (fp16 beat bf16 uncompiled, max-autotune beat inductor with bf16) are
         # combined there, which no one-dimension variant of a measured configuration does.
+        # Its worth, like every polishing probe's, counts the chance that it runs: the fastest
+        # expected configuration may hold a value that crashed twice.
         candidates = flat["allowed"] & np.broadcast_to(known_fit, grid.shape).reshape(-1)
         if candidates.any():
-            index = int(np.argmax(np.where(candidates, np.minimum(flat["mean"], flat["cap"]), -np.inf)))
+            top = np.minimum(flat["mean"][candidates], flat["cap"][candidates])
+            worths = flat["p_ok"][candidates] * expected_improvement(top, flat["sd"][candidates], np.float32(best))
+            index = int(np.flatnonzero(candidates)[int(np.argmax(worths))])
             value = worth(index)
             if value > 0:
                 best_of["model"] = (value, float(flat["cost_ok"][index]), index)
