@@ -11,7 +11,7 @@ from autotune.records import Probe, ProbeResult
 from autotune.search.memory import MemoryModel
 from autotune.search.strategies.base import SearchState
 from autotune.search.strategies.bayes import POLISH_PROBES, POLISH_SHARE, BayesStrategy, MemoryEvidence
-from autotune.space import parse_space
+from autotune.space import SearchSpace, parse_space
 from tests.conftest import GiB
 
 SPACE = {
@@ -125,16 +125,22 @@ def test_the_polishing_reserve_is_at_most_a_share_of_the_budget() -> None:
             assert variant or bool(known_fit.reshape(-1)[index])
 
 
-def test_polishing_keeps_time_for_the_models_pick_that_combines_factors_measured_apart() -> None:
-    # fp16 beat bf16 uncompiled (110 against 100 samples/s); compiling bf16 gained 30 %. No variant
-    # of a measured configuration in one dimension holds both; the model's pick, fp16 compiled at
-    # the incumbent's batch (known to fit: bf16 stores alike and fitted there), gets polishing time.
+def _measured_apart() -> tuple[SearchSpace, list[Probe], MemoryModel]:
+    """fp16 beat bf16 uncompiled (110 against 100 samples/s); compiling bf16 gained 30 %."""
     space = parse_space({"per_device_train_batch_size": [8, 16, 32], "precision": ["bf16", "fp16"], "torch_compile": ["off", "inductor"]})
     history = [_ok(0, 100.0, precision="bf16", per_device_train_batch_size=32), _ok(1, 110.0, precision="fp16", per_device_train_batch_size=32),
                _ok(2, 130.0, wall_s=120.0, precision="bf16", per_device_train_batch_size=32, torch_compile="inductor"),
                _ok(3, 90.0, precision="bf16", per_device_train_batch_size=16)]
     memory = MemoryModel()
     memory.observe_all((p.params, p.result) for p in history)
+    return space, history, memory
+
+
+def test_polishing_keeps_time_for_the_models_pick_that_combines_factors_measured_apart() -> None:
+    # fp16 beat bf16 uncompiled (110 against 100 samples/s); compiling bf16 gained 30 %. No variant
+    # of a measured configuration in one dimension holds both; the model's pick, fp16 compiled at
+    # the incumbent's batch (known to fit: bf16 stores alike and fitted there), gets polishing time.
+    space, history, memory = _measured_apart()
     strategy = BayesStrategy()
     strategy.propose(SearchState(space, 40 * GiB, memory, history, {p.params.key() for p in history}, 1800.0))  # the run's budget
     state = SearchState(space, 40 * GiB, memory, history, {p.params.key() for p in history}, 1200.0)
@@ -156,12 +162,7 @@ def test_the_models_pick_for_polishing_counts_the_chance_that_it_runs() -> None:
     # The same probes, but fp16 has crashed in two contexts (P(runs) 0.01): the fastest expected
     # configuration known to fit is still fp16 compiled, but the pick is worth its chance to run
     # times its expected gain, so the time is kept for a bf16 configuration instead.
-    space = parse_space({"per_device_train_batch_size": [8, 16, 32], "precision": ["bf16", "fp16"], "torch_compile": ["off", "inductor"]})
-    history = [_ok(0, 100.0, precision="bf16", per_device_train_batch_size=32), _ok(1, 110.0, precision="fp16", per_device_train_batch_size=32),
-               _ok(2, 130.0, wall_s=120.0, precision="bf16", per_device_train_batch_size=32, torch_compile="inductor"),
-               _ok(3, 90.0, precision="bf16", per_device_train_batch_size=16)]
-    memory = MemoryModel()
-    memory.observe_all((p.params, p.result) for p in history)
+    space, history, memory = _measured_apart()
     strategy = BayesStrategy()
     state = SearchState(space, 40 * GiB, memory, history, {p.params.key() for p in history}, 1800.0)
     strategy.propose(state)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from autotune.params import TrialParams
-from autotune.search.strategies.surrogate import Block, Grid, _collapse_plan, _merged
+from autotune.search.strategies.surrogate import Block, Grid, TermSum, _merged
 
 TERMS = ("overhead", "per_sample", "step")  # the parts of a step's time, in the log-sum-exp
 LINEAR = "residual"  # added to log samples/s directly
@@ -86,7 +86,7 @@ class StepTimeSurrogate:
         self.mean = self.prior_mean.copy()
         self.cov = np.diag(self.prior_sd**2)
         self._mode: np.ndarray | None = None  # the last mode found: the next fit starts there
-        self._plans: dict[tuple[tuple[int, ...], ...], tuple[list[tuple[int, int]], list[int]]] = {}
+        self._collapse = TermSum(grid.shape)
 
     def index_of(self, name: str) -> int:
         return self.names.index(name)
@@ -214,17 +214,3 @@ class StepTimeSurrogate:
                         part = part * -c
                 var += part
         return mean, np.sqrt(np.maximum(var, 0.0))
-
-    def _collapse(self, terms: list[np.ndarray]) -> np.ndarray:
-        shapes = tuple(t.shape for t in terms)
-        plan = self._plans.get(shapes)
-        if plan is None:
-            plan = self._plans[shapes] = _collapse_plan(shapes)
-        hosts, roots = plan
-        terms = list(terms)
-        for source, target in hosts:
-            terms[target] = terms[target] + terms[source]
-        out = np.zeros(self.grid.shape, dtype=np.float32)
-        for root in roots:
-            out += terms[root]
-        return out

@@ -146,7 +146,7 @@ class Surrogate:
         self.mean = self.prior_mean.copy()
         self.cov = np.diag(self.prior_sd**2)
         self._parts32 = [b.tensor.astype(np.float32) for b in blocks]  # grid-wide sums in single precision: half the memory traffic
-        self._plans: dict[tuple[tuple[int, ...], ...], tuple[list[tuple[int, int]], list[int]]] = {}
+        self._collapse = TermSum(grid.shape)
 
     def index_of(self, name: str) -> int:
         """The position of a feature by name."""
@@ -210,8 +210,16 @@ class Surrogate:
         var = self._collapse(var_terms)
         return self._collapse(mean_terms), np.sqrt(np.maximum(var, 0.0))
 
-    def _collapse(self, terms: list[np.ndarray]) -> np.ndarray:
-        """The sum of broadcastable terms, as float32 over the grid."""
+
+class TermSum:
+    """The sum of broadcastable terms as float32 over a grid's shape, the small terms added into the
+    larger ones that cover their axes before any is broadcast (the plan cached per list of shapes)."""
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        self.shape = shape
+        self._plans: dict[tuple[tuple[int, ...], ...], tuple[list[tuple[int, int]], list[int]]] = {}
+
+    def __call__(self, terms: list[np.ndarray]) -> np.ndarray:
         shapes = tuple(t.shape for t in terms)
         plan = self._plans.get(shapes)
         if plan is None:
@@ -220,7 +228,7 @@ class Surrogate:
         terms = list(terms)
         for source, target in hosts:
             terms[target] = terms[target] + terms[source]
-        out = np.zeros(self.grid.shape, dtype=np.float32)
+        out = np.zeros(self.shape, dtype=np.float32)
         for root in roots:
             out += terms[root]
         return out
