@@ -165,6 +165,8 @@ def draw_shape(draw: int) -> Shape:
         shape = _draw(draw, attempt)
         frugal = _frugal_columns()
         out = outcomes(shape, frugal)
+        # The generator's own test, frozen with it (FAMILY_VERSION): fractional bytes, unlike
+        # Landscape.fits. Whole bytes could keep a draw this one re-draws: another family.
         if ((out.status == OK) & (out.peak_bytes <= shape.ceiling_bytes)).any():
             return shape
         attempt += 1
@@ -417,7 +419,7 @@ class Landscape:
         if not fits.any():
             raise ValueError(f"draw {self.shape.draw}: nothing fits under the ceiling")
         i = int(np.argmax(np.where(fits, out.samples_per_s, -1.0)))
-        return _params_at(columns, i), float(out.samples_per_s[i])
+        return params_at(columns, i), float(out.samples_per_s[i])
 
     def noise_free(self, params: TrialParams) -> Outcomes:
         return self.outcomes({name: np.array([getattr(params, name)]) for name in FAMILY_PARAMS})
@@ -553,7 +555,8 @@ def _grid_columns(space: SearchSpace) -> dict[str, np.ndarray]:
     return _GRID_CACHE[key]
 
 
-def _params_at(columns: dict[str, np.ndarray], i: int) -> TrialParams:
+def params_at(columns: dict[str, np.ndarray], i: int) -> TrialParams:
+    """The configuration at index ``i`` of column-wise configurations (:meth:`Landscape.grid`'s)."""
     return TrialParams.from_dict({n: (v.item() if hasattr(v, "item") else v) for n, v in ((n, columns[n][i]) for n in columns)})
 
 

@@ -11,7 +11,7 @@ import pytest
 from autotune.params import TrialParams
 from autotune.records import ProbeStatus
 from autotune.search.loop import VirtualClock
-from bench.family import HELDOUT_START, OK, FamilyEvaluator, Landscape, draw_shape, outcomes
+from bench.family import HELDOUT_START, OK, FamilyEvaluator, Landscape, draw_shape, outcomes, params_at
 from bench.search import main as bench_main
 
 DESIGN = range(0, 200)
@@ -55,7 +55,7 @@ def test_the_grid_evaluation_matches_one_configuration_at_a_time(landscape) -> N
     columns, grid = landscape.grid()
     rng = np.random.default_rng(0)
     for i in rng.choice(len(grid.status), size=25, replace=False):
-        params = TrialParams.from_dict({n: (columns[n][i].item() if hasattr(columns[n][i], "item") else columns[n][i]) for n in columns})
+        params = params_at(columns, i)
         one = landscape.noise_free(params)
         assert one.status[0] == grid.status[i]
         assert one.probe_s[0] == pytest.approx(grid.probe_s[i])
@@ -83,7 +83,7 @@ def test_a_configuration_fits_by_the_whole_bytes_its_probe_reports() -> None:
     assert len(edge) > 0
     evaluator = FamilyEvaluator(landscape)
     for i in edge[:4]:
-        params = TrialParams.from_dict({n: (columns[n][i].item() if hasattr(columns[n][i], "item") else columns[n][i]) for n in columns})
+        params = params_at(columns, i)
         reported = evaluator.evaluate(params, timeout_s=10_000)
         assert reported.ok and reported.peak_mem_bytes <= landscape.ceiling_bytes
         assert landscape.fits(landscape.noise_free(params))[0]

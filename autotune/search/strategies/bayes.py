@@ -70,6 +70,7 @@ worker, the next ones keep its frugal memory settings at larger batches (bracket
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 from collections.abc import Callable, Iterable
@@ -1025,26 +1026,7 @@ def _linear_surrogate(grid: Grid, accum_dims: tuple[str, ...], accum_values: lis
         values = grid.values[dim]
         if len(values) < 2:
             continue
-        # Values of one kind (16-bit precisions, fused attention kernels, compile modes) share
-        # an effect, each deviating a little from it: measuring one says much about the others.
-        kinds = [(k, members) for k, members in _KINDS.get(dim, {}).items() if sum(x in members for x in values) >= 2]
-        names: list[str] = []
-        functions: list[Callable[..., float]] = []
-        means: list[float] = []
-        sds: list[float] = []
-        for kind, members in kinds:
-            inside = [x for x in values if x in members]
-            names.append(f"{dim}:{kind}")
-            functions.append(lambda x, inside=inside: float(x in inside))
-            means.append(statistics.fmean(_prior_mean(dim, x) for x in inside))
-            sds.append(_PRIOR_SD.get(dim, 0.1))
-        for x in values:
-            kind_mean = next((m for (k, members), m in zip(kinds, means) if x in members), None)
-            names.append(f"{dim}={x}")
-            functions.append(lambda v, x=x: float(v == x))
-            means.append(_prior_mean(dim, x) - (kind_mean or 0.0))
-            sds.append(_WITHIN_KIND_SD if kind_mean is not None else _PRIOR_SD.get(dim, 0.1))
-        builder.add((dim,), names, _of_value(dim, functions), means, sds)
+        names, functions, sds = _value_blocks(builder, dim, "", functools.partial(_prior_mean, dim), _PRIOR_SD.get(dim, 0.1), _WITHIN_KIND_SD)
         if dim not in ("optim", WORKERS):  # faster kernels saturate at larger batches
             tilt_sd = _TILT_SD.get(dim, 0.08)
             builder.add((dim, BATCH), [f"{n}:tilt" for n in names],
@@ -1097,8 +1079,12 @@ def _lookup(table: dict[Any, float], default: float) -> Callable[[Any], float]:
     return lambda x: table.get(x, default)
 
 
-def _value_blocks(builder: BlockBuilder, dim: str, prefix: str, mean_of: Callable[[Any], float], sd: float, within_sd: float) -> None:
-    """One feature per value of ``dim``, plus one per kind shared by its members (see _KINDS)."""
+def _value_blocks(builder: BlockBuilder, dim: str, prefix: str, mean_of: Callable[[Any], float], sd: float,
+                  within_sd: float) -> tuple[list[str], list[Callable[..., float]], list[float]]:
+    """One feature per value of ``dim``, plus one per kind shared by its members (see _KINDS):
+    values of one kind (16-bit precisions, fused attention kernels, compile modes) share an effect,
+    each deviating a little from it, so measuring one says much about the others. Returns the
+    features' names, functions and prior sds."""
     values = builder.grid.values[dim]
     kinds = [(k, [x for x in values if x in members]) for k, members in _KINDS.get(dim, {}).items()]
     kinds = [(k, inside) for k, inside in kinds if len(inside) >= 2]
@@ -1118,6 +1104,7 @@ def _value_blocks(builder: BlockBuilder, dim: str, prefix: str, mean_of: Callabl
         means.append(mean_of(x) - (kind_at or 0.0))
         sds.append(within_sd if kind_at is not None else sd)
     builder.add((dim,), names, _of_value(dim, functions), means, sds)
+    return names, functions, sds
 
 
 def _step_time_surrogate(grid: Grid, accum_dims: tuple[str, ...], accum_values: list[int], accum_of: Callable[[dict[str, Any]], int],

@@ -104,21 +104,18 @@ class StepTimeSurrogate:
 
     # ------------------------------------------------------------------ one configuration at a time
 
-    def _codes(self, params: TrialParams) -> tuple[int, ...]:
-        return tuple(self.grid._codes[n][getattr(params, n)] for n in self.grid.names)
-
     def _rows(self, params: Sequence[TrialParams]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], np.ndarray]:
         """Per component, the feature rows (configurations x parameters); per term, its offsets; the base."""
-        codes = [self._codes(p) for p in params]
+        codes = [self.grid.codes(p) for p in params]
         rows = {c: np.zeros((len(params), self.n_features)) for c in self.components}
         for component, placed in self.components.items():
             for item in placed:
-                shape = item.block.tensor.shape[:-1]
                 for r, code in enumerate(codes):
-                    at = tuple(c if shape[i] > 1 else 0 for i, c in enumerate(code))
-                    rows[component][r, item.index] += item.block.tensor[at]
+                    rows[component][r, item.index] += Grid.at(item.block.tensor, code)
+
         def pick(array: np.ndarray) -> np.ndarray:
-            return np.array([array[tuple(c if array.shape[i] > 1 else 0 for i, c in enumerate(code))] for code in codes], dtype=float)
+            return np.array([Grid.at(array, code) for code in codes], dtype=float)
+
         return rows, {t: pick(self.offsets[t]) for t in TERMS}, pick(self.base)
 
     @staticmethod

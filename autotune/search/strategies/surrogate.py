@@ -45,6 +45,15 @@ class Grid:
         self._codes = {n: {v: i for i, v in enumerate(self.values[n])} for n in self.names}
         self.axis = {n: i for i, n in enumerate(self.names)}
 
+    def codes(self, params: TrialParams) -> tuple[int, ...]:
+        """The index of each of a grid configuration's values along its axis."""
+        return tuple(self._codes[n][getattr(params, n)] for n in self.names)
+
+    @staticmethod
+    def at(array: np.ndarray, codes: tuple[int, ...]) -> Any:
+        """A grid-broadcastable array's entry at a point (axes of size 1 are read at 0)."""
+        return array[tuple(c if array.shape[i] > 1 else 0 for i, c in enumerate(codes))]
+
     def flat_index(self, params: TrialParams) -> int | None:
         codes = []
         for name in self.names:
@@ -157,12 +166,8 @@ class Surrogate:
 
     def features(self, params: TrialParams) -> np.ndarray:
         """The feature row of one configuration of the grid."""
-        codes = tuple(self.grid._codes[n][getattr(params, n)] for n in self.grid.names)
-        row = []
-        for block in self.blocks:
-            index = tuple(c if block.tensor.shape[i] > 1 else 0 for i, c in enumerate(codes))
-            row.append(block.tensor[index])
-        return np.concatenate(row)
+        codes = self.grid.codes(params)
+        return np.concatenate([Grid.at(block.tensor, codes) for block in self.blocks])
 
     def fit(self, rows: np.ndarray, targets: np.ndarray, noise_var: np.ndarray) -> None:
         """Posterior given observations ``targets`` (log samples/s) with per-observation noise variance."""
