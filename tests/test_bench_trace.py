@@ -57,6 +57,15 @@ def test_calibration_scores_every_probe_that_measured_a_throughput() -> None:
     assert f"{summary['probes']} probes over 2 draws" in out.getvalue()
 
 
+@pytest.mark.slow
+def test_the_throughput_models_stated_uncertainty_matches_its_errors() -> None:
+    # Design draws 100-109 (steptime.SD_CALIBRATION was read off draws 0-99), 30 virtual minutes:
+    # a probe's error over its predicted sd has sd near 1. The unscaled posterior gives 0.66 there.
+    summary = calibration(list(range(100, 110)), 1800.0, out=io.StringIO())
+    assert summary["probes"] > 100
+    assert 0.8 <= summary["sd_z"] <= 1.3
+
+
 def test_draw_ranges() -> None:
     assert _draws("3,7-9,12") == [3, 7, 8, 9, 12]
 
