@@ -349,6 +349,9 @@ class _Context:
     other_axes: tuple[int, ...]  # the grid axes that are not memory-group dimensions
     lines: dict[int, tuple[float, float] | None] = field(default_factory=dict)  # per group, for one history length
     lines_at: int = -1
+    p_fit_rows: dict[int, np.ndarray] = field(default_factory=dict)  # per group, for the evidence, ceiling and lines in p_fit_for
+    p_fit_misses: dict[int, tuple[float, float]] | None = None  # per group gone over the ceiling: its largest margin missed (sds), its sd
+    p_fit_for: tuple[Any, ...] = (None, -1, -1)
     p_ok: dict[str, tuple[tuple[Any, ...], np.ndarray]] = field(default_factory=dict)  # per kind of failure, its last prediction by its key
     flat_of_key: dict[tuple[Any, ...], int | None] = field(default_factory=dict)
     group_params: dict[int, TrialParams] = field(default_factory=dict)  # per group, a configuration of it
@@ -433,8 +436,7 @@ class BayesStrategy(Strategy):
         gain = self._gain(context, feasible, mean, sd, cap, allowed)
         if state.remaining_s is not None:
             # A probe that would eat into the time kept for polishing is not started.
-            reserve, polish, order = self._polish_reserve(context, state, feasible, (mean, sd, cap), p_ok, cost_ok,
-                                                          allowed, self._batch_grid(context, evidence.known_fit))
+            reserve, polish, order = self._polish_reserve(context, state, feasible, (mean, sd, cap), p_ok, cost_ok, allowed, evidence)
             if comparison is not None:
                 # The groups are compared once exploring has had its time to find each one's best
                 # (what is left is twice what polishing and the comparison need: time to polish the
@@ -686,7 +688,7 @@ class BayesStrategy(Strategy):
         return None
 
     def _polish_reserve(self, context: _Context, state: SearchState, feasible: list[Configuration], model: tuple[np.ndarray, np.ndarray, np.ndarray],
-                        p_ok: np.ndarray, cost_ok: np.ndarray, allowed: np.ndarray, known_fit: np.ndarray) -> tuple[float, np.ndarray, list[int]]:
+                        p_ok: np.ndarray, cost_ok: np.ndarray, allowed: np.ndarray, evidence: MemoryEvidence) -> tuple[float, np.ndarray, list[int]]:
         """Seconds to keep for polishing the best configurations, the polishing probes themselves (a
         grid mask, and their flat indices, most valuable first).
 
@@ -716,10 +718,10 @@ class BayesStrategy(Strategy):
                 (("mean", mean), ("sd", sd), ("cap", cap), ("p_ok", p_ok), ("cost_ok", cost_ok), ("allowed", allowed))}
         best = math.log(feasible[0].mean_samples_per_s) + MIN_GAIN
 
-        def worth(index: int) -> float:
-            """A polishing probe's value: P(runs) x expected improvement over the incumbent, up to its loader's cap."""
-            top = min(float(flat["cap"][index]), float(flat["mean"][index]))
-            return float(flat["p_ok"][index] * expected_improvement(np.array(top), np.array(flat["sd"][index]), np.array(best)))
+        def worths(indices: np.ndarray) -> np.ndarray:
+            """Polishing probes' values, if they fit: P(runs) x expected improvement over the incumbent, up to the loader's cap."""
+            top = np.minimum(flat["cap"][indices], flat["mean"][indices]).astype(np.float64)
+            return flat["p_ok"][indices] * expected_improvement(top, flat["sd"][indices].astype(np.float64), best)
 
         # One polishing dimension changed at a time (a compile mode, or more accumulation): the
         # best of each keeps its time, so an expensive compilation is not crowded out by a
@@ -733,32 +735,55 @@ class BayesStrategy(Strategy):
                 index = grid.flat_index(state.space.with_changes(base, **changes))
                 if index is None or not flat["allowed"][index]:
                     continue
-                value = worth(index)
+                value = float(worths(np.array([index]))[0])
                 if value > 0 and value > best_of.get(dim, (0.0, 0.0, -1))[0]:
                     best_of[dim] = (value, float(flat["cost_ok"][index]), index)
-        # The model's own pick: the configuration it expects fastest among those known to fit (a
-        # configuration needing no more memory fitted at a batch no smaller). Factors measured in
-        # different places (fp16 beat bf16 uncompiled, max-autotune beat inductor with bf16) are
-        # combined there, which no one-dimension variant of a measured configuration does.
-        # Its worth, like every polishing probe's, counts the chance that it runs: the fastest
-        # expected configuration may hold a value that crashed twice.
-        candidates = flat["allowed"] & np.broadcast_to(known_fit, grid.shape).reshape(-1)
-        if candidates.any():
-            top = np.minimum(flat["mean"][candidates], flat["cap"][candidates])
-            worths = flat["p_ok"][candidates] * expected_improvement(top, flat["sd"][candidates], np.float32(best))
-            index = int(np.flatnonzero(candidates)[int(np.argmax(worths))])
-            value = worth(index)
-            if value > 0:
-                best_of["model"] = (value, float(flat["cost_ok"][index]), index)
+        pick = self._models_pick(context, state, evidence, np.where(flat["allowed"], worths(np.arange(grid.size)), 0.0))
+        if pick is not None:
+            best_of["model"] = (pick[0], float(flat["cost_ok"][pick[1]]), pick[1])
         most = POLISH_SHARE * self._budget_s if self._budget_s > 0 else math.inf
         keep = np.zeros(grid.size, dtype=bool)
         reserve, order = 0.0, []
-        for _, cost, index in sorted(set(best_of.values()), reverse=True)[:POLISH_PROBES]:  # the model's pick may be a variant too (same worth: one entry)
+        worth_of: dict[int, tuple[float, float]] = {}  # the model's pick may be a variant too: one entry, its larger worth
+        for value, cost, index in best_of.values():
+            worth_of[index] = max(worth_of.get(index, (value, cost)), (value, cost))
+        for _, cost, index in sorted(((v, c, i) for i, (v, c) in worth_of.items()), reverse=True)[:POLISH_PROBES]:
             if reserve + POLISH_MARGIN * cost <= most and cost <= (state.remaining_s or math.inf):
                 keep[index] = True
                 order.append(index)
                 reserve += POLISH_MARGIN * cost
         return reserve, keep.reshape(grid.shape), order
+
+    def _models_pick(self, context: _Context, state: SearchState, evidence: MemoryEvidence, worth: np.ndarray) -> tuple[float, int] | None:
+        """The model's own pick for polishing: the configuration with the largest ``worth`` (flat, a
+        probe's value if it fits) times P(fits), and that value (``None`` where none is worth anything).
+
+        It combines factors measured in different places (fp16 beat bf16 uncompiled, max-autotune
+        beat inductor with bf16; flash beat sdpa uncompiled, a compile mode ran with sdpa; a batch
+        without checkpointing that the memory model now expects to fit), which no one-dimension
+        variant of a measured configuration does. Its worth counts the chance that it runs (the
+        fastest expected configuration may hold a value that crashed twice) and that it fits (1
+        where a configuration needing no more memory fitted at a batch no smaller), so a long shot
+        does not take the kept time. Groups are visited best bound first (P(fits) <= 1), as in
+        :meth:`propose`.
+        """
+        grid = context.grid
+        bound = worth.reshape(grid.shape)
+        per_group = bound.max(axis=context.other_axes).reshape(-1)
+        known = self._batch_grid(context, evidence.known_fit)
+        self._refresh_lines(context, state, len(state.history))
+        best: tuple[float, int] | None = None
+        for group in np.argsort(-per_group, kind="stable"):
+            if per_group[group] <= 0.0 or (best is not None and per_group[group] <= best[0]):
+                break
+            cells = self._group_cells(context, int(group))
+            p_fit = self._p_fit_row(context, state, evidence, int(group)).reshape(self._batch_shape(context))
+            p_fit = np.where(self._pruned_row(context, state, evidence, int(group)).reshape(self._batch_shape(context)), 0.0, p_fit)
+            value = bound[cells] * np.where(known[cells], 1.0, p_fit)
+            local = int(np.argmax(value))
+            if value.reshape(-1)[local] > 0.0 and (best is None or value.reshape(-1)[local] > best[0]):
+                best = (float(value.reshape(-1)[local]), self._flat_of(context, int(group), local))
+        return best
 
     @staticmethod
     def _score(gain: Any, p_ok: Any, p_fit: Any, cost_ok: Any, cost_fail: Any, allowed: Any) -> np.ndarray:
@@ -805,7 +830,18 @@ class BayesStrategy(Strategy):
         return MEMORY_SD["class" if state.memory.class_measured(self._group_params(context, group)) else "none"]
 
     def _p_fit_row(self, context: _Context, state: SearchState, evidence: MemoryEvidence, group: int) -> np.ndarray:
-        """P(peak <= ceiling) along the batch axis for ``group``."""
+        """P(peak <= ceiling) along the batch axis for ``group`` (read-only: kept while the evidence,
+        the ceiling and the memory model's lines stay the same, as they do through one proposal)."""
+        held, ceiling, lines_at = context.p_fit_for
+        if held is not evidence or (ceiling, lines_at) != (state.ceiling_bytes, context.lines_at):
+            context.p_fit_rows, context.p_fit_misses, context.p_fit_for = {}, None, (evidence, state.ceiling_bytes, context.lines_at)
+        row = context.p_fit_rows.get(group)
+        if row is None:
+            row = context.p_fit_rows[group] = self._p_fit_row_of(context, state, evidence, group)
+            row.setflags(write=False)
+        return row
+
+    def _p_fit_row_of(self, context: _Context, state: SearchState, evidence: MemoryEvidence, group: int) -> np.ndarray:
         ceiling = state.ceiling_bytes
         model = self._predicted_row(context, state, group)
         if model is None:
@@ -821,16 +857,13 @@ class BayesStrategy(Strategy):
             # so r and r' correlate by w sd' / sd (at most 1). The least likely fit over those
             # conditions counts (the group itself: w = 1, a truncated normal).
             # Per group alike, its largest margin missed binds (P(fits) falls as the margin rises).
-            missed: dict[int, float] = {}
-            for other, j in evidence.over:
-                other_row = self._predicted_row(context, state, other) if context.groups.similarity[group, other] > 0 else None
-                if other_row is not None:
-                    missed[other] = max(missed.get(other, -math.inf), math.log(ceiling / max(float(other_row[j]), 1.0)))
+            if context.p_fit_misses is None:
+                context.p_fit_misses = self._misses(context, state, evidence)
             live = p_fit > 1e-12  # a miss alike only lowers P(fits) (rho >= 0): what cannot fit stays so
-            for other, other_margin in missed.items():
-                other_sd = self._memory_sd(context, state, evidence, other)
-                rho = min(1.0, float(context.groups.similarity[group, other]) * other_sd / sd)
-                p_fit[live] = np.minimum(p_fit[live], normal_cdf_given_above(margin[live], other_margin / other_sd, rho))
+            for other, (other_margin, other_sd) in context.p_fit_misses.items():
+                if context.groups.similarity[group, other] > 0:
+                    rho = min(1.0, float(context.groups.similarity[group, other]) * other_sd / sd)
+                    p_fit[live] = np.minimum(p_fit[live], normal_cdf_given_above(margin[live], other_margin, rho))
         for j, peak in fits.items():
             p_fit[j] = float(peak <= ceiling)
         # Over the ceiling at batch b0 (OOM or measured) in a group with no more static memory,
@@ -841,6 +874,20 @@ class BayesStrategy(Strategy):
             if ratio > 0:
                 p_fit = np.where(batches >= batches[j] / ratio, p_fit * OOM_IMPLIED, p_fit)
         return p_fit
+
+    def _misses(self, context: _Context, state: SearchState, evidence: MemoryEvidence) -> dict[int, tuple[float, float]]:
+        """Per group gone over the ceiling (an OOM, or a peak measured over it) where the memory model
+        has a prediction: the largest margin under the ceiling it predicted there, in its sds, and that sd."""
+        margins: dict[int, float] = {}
+        for other, j in evidence.over:
+            other_row = self._predicted_row(context, state, other)
+            if other_row is not None:
+                margins[other] = max(margins.get(other, -math.inf), math.log(state.ceiling_bytes / max(float(other_row[j]), 1.0)))
+        misses = {}
+        for other, margin in margins.items():
+            other_sd = self._memory_sd(context, state, evidence, other)
+            misses[other] = (margin / other_sd, other_sd)
+        return misses
 
     def _pruned_row(self, context: _Context, state: SearchState, evidence: MemoryEvidence, group: int) -> np.ndarray:
         """What :meth:`MemoryModel.prune_reason` rules out by prediction, along the batch axis."""
