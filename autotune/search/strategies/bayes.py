@@ -41,10 +41,10 @@ improvement per expected probe second:
   recompilations measured (inductor's cache); a failure is charged what failing costs. A probe that
   cannot finish in the time left is not proposed, nor one that would eat the time kept for
   polishing the best configurations (another compile mode, more accumulation, one at a time, and
-  the model's own pick among what is known to fit, which combines factors measured apart:
+  the model's own pick, which combines factors measured apart:
   :meth:`BayesStrategy._polish_reserve`), which rank late per second and pay off most; the
-  variants with the largest expected improvement keep their time (at most half the budget), and
-  once only that time is left the most valuable runs first.
+  ones worth most (P(runs) x expected improvement, and for the model's pick x P(fits)) keep their
+  time (at most half the budget), and once only that time is left the most valuable runs first.
 * **Memory groups compared before polishing**: checkpointing lets larger batches fit, so the
   group with it and the group without run different batch sizes, and a small batch pays its
   optimizer step over few samples. Once exploring has had its time, the other group's best is
@@ -696,11 +696,13 @@ class BayesStrategy(Strategy):
         mode's compilation, a step of many micro-batches), so per second they rank late, and a run
         that explores until its end never gets to them. Their most promising variants of the
         incumbent and of the best configuration with and without checkpointing, one polishing
-        dimension changed (another compile mode, or more accumulation), and the configuration the
-        model expects fastest among those known to fit (fp16 measured faster than bf16 in one place,
-        a compile mode in another: no one-dimension variant holds both), keep their time: the best
-        of each dimension, the one with the largest expected improvement over the incumbent first
-        (per probe, not per second: the time is kept for them anyway; and over the incumbent
+        dimension changed (another compile mode, or more accumulation), and the model's own pick
+        (:meth:`_models_pick`: fp16 measured faster than bf16 in one place, a compile mode in
+        another: no one-dimension variant holds both), keep their time: the best of each
+        dimension, the one worth most first, its worth P(runs) x its expected improvement over the
+        incumbent, for the model's pick x P(fits) (a variant of a configuration that fits: the
+        memory model's doubt about an unmeasured compile mode cost more than the rare OOM, round
+        14) (per probe, not per second: the time is kept for them anyway; and over the incumbent
         itself, not over the best uncompiled configuration, which guides exploring, not the final
         choice), at their predicted cost, which follows the measured compile and step times, and at
         most :data:`POLISH_SHARE` of the run's budget. Compile variants of other uncompiled
