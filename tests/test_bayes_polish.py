@@ -165,14 +165,12 @@ def test_polishing_keeps_time_for_the_models_pick_that_combines_factors_measured
     assert proposal is not None and proposal.short() == "bs32x1 fp16 adamw_torch_fused sdpa compile=inductor"
 
 
-def test_the_models_pick_for_polishing_counts_the_chance_that_it_runs() -> None:
-    # The same probes, but fp16 has crashed in two contexts (P(runs) 1e-4): the fastest expected
-    # configuration known to fit is still fp16 compiled, but the pick is worth its chance to run
-    # times its expected gain (1e-4 x 4.4 %), so the time is kept for a bf16 configuration instead
-    # (bs16 compiled: 1.6e-5, all of it its chance to run faster than the model expects).
-    space, history, memory = _measured_apart()
+def _polish_inputs(space: SearchSpace, history: list[Probe], memory: MemoryModel, ceiling_bytes: int = 40 * GiB):
+    """A strategy that proposed once with 1800 s left (the run's budget), and what its
+    ``_polish_reserve`` takes: state, context, model, costs, what is allowed (all but the measured),
+    the memory evidence."""
     strategy = BayesStrategy()
-    state = SearchState(space, 40 * GiB, memory, history, {p.params.key() for p in history}, 1800.0)
+    state = SearchState(space, ceiling_bytes, memory, history, {p.params.key() for p in history}, 1800.0)
     strategy.propose(state)
     context = strategy._get_context(state)
     grid = context.grid
@@ -181,6 +179,16 @@ def test_the_models_pick_for_polishing_counts_the_chance_that_it_runs() -> None:
     allowed = np.ones(grid.shape, dtype=bool)
     allowed.reshape(-1)[[grid.flat_index(p.params) for p in history]] = False
     evidence = MemoryEvidence.of(context.groups, grid, history, state.ceiling_bytes)
+    return strategy, state, context, model, cost_ok, allowed, evidence
+
+
+def test_the_models_pick_for_polishing_counts_the_chance_that_it_runs() -> None:
+    # The same probes, but fp16 has crashed in two contexts (P(runs) 1e-4): the fastest expected
+    # configuration known to fit is still fp16 compiled, but the pick is worth its chance to run
+    # times its expected gain (1e-4 x 4.4 %), so the time is kept for a bf16 configuration instead
+    # (bs16 compiled: 1.6e-5, all of it its chance to run faster than the model expects).
+    strategy, state, context, model, cost_ok, allowed, evidence = _polish_inputs(*_measured_apart())
+    grid = context.grid
     p_ok = np.array([1e-4 if grid.params_at(i).precision == "fp16" else 1.0 for i in range(grid.size)]).reshape(grid.shape)
     _, _, order = strategy._polish_reserve(context, state, state.feasible(), model, p_ok, cost_ok, allowed, evidence)
     assert order and all(grid.params_at(i).precision == "bf16" for i in order)
@@ -201,16 +209,8 @@ def test_the_models_pick_may_be_one_no_probe_showed_to_fit_weighed_by_its_chance
                _ok(3, 90.0, precision="bf16", per_device_train_batch_size=16)]
     memory = MemoryModel()
     memory.observe_all((p.params, p.result) for p in history)
-    strategy = BayesStrategy()
-    state = SearchState(space, 40 * GiB, memory, history, {p.params.key() for p in history}, 1800.0)
-    strategy.propose(state)
-    context = strategy._get_context(state)
+    strategy, state, context, model, cost_ok, allowed, evidence = _polish_inputs(space, history, memory)
     grid = context.grid
-    model = strategy._throughput(context, list(history))
-    cost_ok, _ = strategy._costs(context, list(history), model[0])
-    allowed = np.ones(grid.shape, dtype=bool)
-    allowed.reshape(-1)[[grid.flat_index(p.params) for p in history]] = False
-    evidence = MemoryEvidence.of(context.groups, grid, history, state.ceiling_bytes)
     flash_compiled = grid.flat_index(history[1].params.replace(torch_compile="inductor"))
     assert not strategy._batch_grid(context, evidence.known_fit).reshape(-1)[flash_compiled]
     _, _, order = strategy._polish_reserve(context, state, state.feasible(), model, np.ones(grid.shape), cost_ok, allowed, evidence)
