@@ -454,26 +454,35 @@ class BayesStrategy(Strategy):
                 return None
         # Upper bound of the score (P(fits) = 1 wherever no evidence says otherwise), then the exact
         # score group by group, best bound first.
-        known = self._batch_grid(context, evidence.known_fit)
         bound = self._score(gain, p_ok, np.ones(1), cost_ok, cost_fail, allowed)
+        best = self._best_over_groups(context, state, evidence, bound, lambda cells, p_fit: self._score(
+            gain[cells], p_ok[cells], p_fit, cost_ok[cells], cost_fail[cells], allowed[cells]))
+        return None if best is None else grid.params_at(best[1])
+
+    def _best_over_groups(self, context: _Context, state: SearchState, evidence: MemoryEvidence, bound: np.ndarray,
+                          exact: Callable[[tuple[Any, ...], np.ndarray], np.ndarray]) -> tuple[float, int] | None:
+        """The largest ``exact(cells, p_fit)`` over the grid (``cells`` one memory group's index into
+        grid-shaped arrays, ``p_fit`` its P(fits): 1 where known to fit), and its flat index; ``None``
+        where no group's ``bound`` (grid-shaped, ``exact`` with P(fits) = 1) is finite. What the
+        memory model prunes and no probe showed to fit is never the largest. P(fits) needs two
+        memory-model predictions per group, the slowest part, so groups are visited best bound
+        first, and the visit stops when no group left can beat the best found (exact, since
+        ``exact`` rises with P(fits))."""
+        known = self._batch_grid(context, evidence.known_fit)
         per_group = bound.max(axis=context.other_axes).reshape(-1)
+        shape = self._batch_shape(context)
         self._refresh_lines(context, state, len(state.history))
-        best_score, best_index = -np.inf, None
+        best_value, best_index = -np.inf, None
         for group in np.argsort(-per_group, kind="stable"):
-            if per_group[group] <= best_score or not np.isfinite(per_group[group]):
+            if per_group[group] <= best_value or not np.isfinite(per_group[group]):
                 break
             cells = self._group_cells(context, int(group))
-            p_fit = self._p_fit_row(context, state, evidence, int(group))
-            p_fit_cells = np.where(known[cells], 1.0, p_fit.reshape(self._batch_shape(context)))
-            score = self._score(gain[cells], p_ok[cells], p_fit_cells, cost_ok[cells], cost_fail[cells], allowed[cells])
-            score = np.where(self._pruned_row(context, state, evidence, int(group)).reshape(self._batch_shape(context)) & ~known[cells], -np.inf, score)
-            local = int(np.argmax(score))
-            if score.reshape(-1)[local] > best_score:
-                best_score = float(score.reshape(-1)[local])
-                best_index = self._flat_of(context, int(group), local)
-        if best_index is None:
-            return None
-        return grid.params_at(best_index)
+            p_fit = np.where(known[cells], 1.0, self._p_fit_row(context, state, evidence, int(group)).reshape(shape))
+            value = np.where(self._pruned_row(context, state, evidence, int(group)).reshape(shape) & ~known[cells], -np.inf, exact(cells, p_fit))
+            local = int(np.argmax(value))
+            if value.reshape(-1)[local] > best_value:
+                best_value, best_index = float(value.reshape(-1)[local]), self._flat_of(context, int(group), local)
+        return None if best_index is None else (best_value, best_index)
 
     # ------------------------------------------------------------------ the throughput model
 
@@ -720,10 +729,9 @@ class BayesStrategy(Strategy):
                 (("mean", mean), ("sd", sd), ("cap", cap), ("p_ok", p_ok), ("cost_ok", cost_ok), ("allowed", allowed))}
         best = math.log(feasible[0].mean_samples_per_s) + MIN_GAIN
 
-        def worths(indices: np.ndarray) -> np.ndarray:
-            """Polishing probes' values, if they fit: P(runs) x expected improvement over the incumbent, up to the loader's cap."""
-            top = np.minimum(flat["cap"][indices], flat["mean"][indices]).astype(np.float64)
-            return flat["p_ok"][indices] * expected_improvement(top, flat["sd"][indices].astype(np.float64), best)
+        # A polishing probe's value, if it fits: P(runs) x expected improvement over the incumbent, up to the loader's cap.
+        top = np.minimum(flat["cap"], flat["mean"]).astype(np.float64)
+        worth = np.where(flat["allowed"], flat["p_ok"] * expected_improvement(top, flat["sd"].astype(np.float64), best), 0.0)
 
         # One polishing dimension changed at a time (a compile mode, or more accumulation): the
         # best of each keeps its time, so an expensive compilation is not crowded out by a
@@ -737,19 +745,16 @@ class BayesStrategy(Strategy):
                 index = grid.flat_index(state.space.with_changes(base, **changes))
                 if index is None or not flat["allowed"][index]:
                     continue
-                value = float(worths(np.array([index]))[0])
+                value = float(worth[index])
                 if value > 0 and value > best_of.get(dim, (0.0, 0.0, -1))[0]:
                     best_of[dim] = (value, float(flat["cost_ok"][index]), index)
-        pick = self._models_pick(context, state, evidence, np.where(flat["allowed"], worths(np.arange(grid.size)), 0.0))
-        if pick is not None:
+        pick = self._models_pick(context, state, evidence, worth)
+        if pick is not None and pick[1] not in {index for _, _, index in best_of.values()}:  # a variant already, worth no less without P(fits)
             best_of["model"] = (pick[0], float(flat["cost_ok"][pick[1]]), pick[1])
         most = POLISH_SHARE * self._budget_s if self._budget_s > 0 else math.inf
         keep = np.zeros(grid.size, dtype=bool)
         reserve, order = 0.0, []
-        worth_of: dict[int, tuple[float, float]] = {}  # the model's pick may be a variant too: one entry, its larger worth
-        for value, cost, index in best_of.values():
-            worth_of[index] = max(worth_of.get(index, (value, cost)), (value, cost))
-        for _, cost, index in sorted(((v, c, i) for i, (v, c) in worth_of.items()), reverse=True)[:POLISH_PROBES]:
+        for _, cost, index in sorted(best_of.values(), reverse=True)[:POLISH_PROBES]:
             if reserve + POLISH_MARGIN * cost <= most and cost <= (state.remaining_s or math.inf):
                 keep[index] = True
                 order.append(index)
@@ -766,26 +771,12 @@ class BayesStrategy(Strategy):
         variant of a measured configuration does. Its worth counts the chance that it runs (the
         fastest expected configuration may hold a value that crashed twice) and that it fits (1
         where a configuration needing no more memory fitted at a batch no smaller), so a long shot
-        does not take the kept time. Groups are visited best bound first (P(fits) <= 1), as in
-        :meth:`propose`.
+        does not take the kept time. Found like a proposal (:meth:`_best_over_groups`).
         """
-        grid = context.grid
-        bound = worth.reshape(grid.shape)
-        per_group = bound.max(axis=context.other_axes).reshape(-1)
-        known = self._batch_grid(context, evidence.known_fit)
-        self._refresh_lines(context, state, len(state.history))
-        best: tuple[float, int] | None = None
-        for group in np.argsort(-per_group, kind="stable"):
-            if per_group[group] <= 0.0 or (best is not None and per_group[group] <= best[0]):
-                break
-            cells = self._group_cells(context, int(group))
-            p_fit = self._p_fit_row(context, state, evidence, int(group)).reshape(self._batch_shape(context))
-            p_fit = np.where(self._pruned_row(context, state, evidence, int(group)).reshape(self._batch_shape(context)), 0.0, p_fit)
-            value = bound[cells] * np.where(known[cells], 1.0, p_fit)
-            local = int(np.argmax(value))
-            if value.reshape(-1)[local] > 0.0 and (best is None or value.reshape(-1)[local] > best[0]):
-                best = (float(value.reshape(-1)[local]), self._flat_of(context, int(group), local))
-        return best
+        shaped = worth.reshape(context.grid.shape)
+        best = self._best_over_groups(context, state, evidence, np.where(shaped > 0.0, shaped, -np.inf),
+                                      lambda cells, p_fit: shaped[cells] * p_fit)
+        return best if best is not None and best[0] > 0.0 else None
 
     @staticmethod
     def _score(gain: Any, p_ok: Any, p_fit: Any, cost_ok: Any, cost_fail: Any, allowed: Any) -> np.ndarray:
