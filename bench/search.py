@@ -36,7 +36,10 @@ index in its range), two processes by default, and prints per strategy and budge
 percentile and worst ratio of the found configuration's noise-free samples/s to the landscape's
 noise-free optimum under its ceiling (with a 90 % bootstrap interval of the 5th percentile over
 the draws: it rests on the dozen worst), the OOM probes launched, and the configurations returned
-over the ceiling; ``--details FILE.csv`` keeps one row per search. ``--noise-stream N`` redraws
+over the ceiling; and where the loss lies: ``measured p5``, the 5th percentile had each search
+returned the best configuration it measured (noise-free; the ``measured_ratio`` column of
+``--details``), and ``<0.95 measured``, the draws below 0.95 whose search had measured one at 0.95
+or more (the pick among noisy measurements lost it, not exploring). ``--details FILE.csv`` keeps one row per search. ``--noise-stream N`` redraws
 every probe's noise (an independent repeat of the same searches: what chance alone moves);
 ``--compare BEFORE.csv AFTER.csv`` pairs two ``--details`` files draw by draw
 (:func:`compare_details`) and runs no search. After the family's figures, family mode replays every
@@ -231,7 +234,14 @@ def family_search(strategy: Any, draw: int, budget_s: float, seed: int, log: lis
         "strategy": chosen.name, "draw": draw, "budget_s": budget_s, "seed": seed, "ratio": 0.0, "over_ceiling": 0,
         "oom_probes": evaluator.oom_probes, "probes": outcome.probes_run, "pruned": outcome.pruned,
         "virtual_s": evaluator.clock.now(), "cpu_s": round(cpu_s, 3), "found": "", "true_best": true_params.short(),
+        "measured_ratio": 0.0,
     }
+    # What a pick free of noise would have returned: the best of what the search measured (that fits,
+    # noise-free). Below the found ratio never; above it, the search measured better than it returned.
+    for configuration in ranked:
+        outcome = landscape.noise_free(configuration.params)
+        if landscape.fits(outcome)[0]:
+            row["measured_ratio"] = max(row["measured_ratio"], float(outcome.samples_per_s[0]) / true_sps)
     if ranked:
         found = landscape.noise_free(ranked[0].params)
         row["ratio"] = float(found.samples_per_s[0]) / true_sps
@@ -282,6 +292,10 @@ def family_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, 
                 "p5_ratio_90": [round(float(x), 4) for x in p5_90],
                 "worst_ratio": figures["worst"],
                 "below_095": figures["below_095"],
+                # Where the loss lies: the 5th percentile had each search returned the best of what it
+                # measured, and the draws below 0.95 that had measured a configuration at 0.95 or more.
+                "measured_p5_ratio": round(float(_p5(np.array([r["measured_ratio"] for r in mine]))), 4),
+                "below_095_measured": int(sum(r["ratio"] < 0.95 <= r["measured_ratio"] for r in mine)),
                 "oom_probes_total": int(sum(ooms)),
                 "oom_probes_mean": round(statistics.fmean(ooms), 2),
                 "returned_over_ceiling": int(sum(r["over_ceiling"] for r in mine)),
@@ -299,7 +313,7 @@ def _interval(bounds: list[float]) -> str:
 def print_family(summary: dict[str, dict[str, dict[str, Any]]], family: str, draws: int) -> None:
     print(f"family {family}: {draws} draws, one search per strategy, draw and budget")
     header = (f"{'strategy':<9} {'budget':>6} {'median':>7} {'p5':>7} {'p5 90% bootstrap':>17} {'worst':>7} {'<0.95':>6} {'OOMs':>6} {'OOM/run':>8} "
-              f"{'over ceiling':>13} {'none found':>11} {'probes/run':>11} {'cpu s/run':>10}")
+              f"{'over ceiling':>13} {'none found':>11} {'probes/run':>11} {'cpu s/run':>10} {'measured p5':>12} {'<0.95 measured':>15}")
     print(header)
     print("-" * len(header))
     for strategy, budgets in summary.items():
@@ -308,7 +322,7 @@ def print_family(summary: dict[str, dict[str, dict[str, Any]]], family: str, dra
                 f"{strategy:<9} {budget:>6} {f['median_ratio']:>7.3f} {f['p5_ratio']:>7.3f} {_interval(f['p5_ratio_90']):>17} "
                 f"{f['worst_ratio']:>7.3f} {f['below_095']:>6} "
                 f"{f['oom_probes_total']:>6} {f['oom_probes_mean']:>8.2f} {f['returned_over_ceiling']:>13} {f['nothing_found']:>11} "
-                f"{f['probes_mean']:>11.1f} {f['cpu_s_per_search']:>10.3f}"
+                f"{f['probes_mean']:>11.1f} {f['cpu_s_per_search']:>10.3f} {f['measured_p5_ratio']:>12.3f} {f['below_095_measured']:>15}"
             )
 
 

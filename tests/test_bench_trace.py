@@ -74,3 +74,19 @@ def _log(draw: int) -> list:
     log: list = []
     family_search("bayes", draw, BUDGET_S, draw, log=log)
     return log
+
+
+def test_the_measured_ratio_is_the_best_noise_free_configuration_the_search_measured() -> None:
+    # The best of what the search measured (noise-free, fitting under the ceiling), recomputed from
+    # its probes: never below what it returned.
+    for draw in (2, 5):
+        log: list = []
+        row = family_search("bayes", draw, BUDGET_S, draw, log=log)
+        landscape = Landscape(draw)
+        _, true_sps = landscape.true_best()
+        failed = {params.key() for _, params, result in log
+                  if result.status.is_measured() and not result.fits(landscape.ceiling_bytes)}
+        measured = [landscape.noise_free(params) for _, params, result in log if result.ok and params.key() not in failed]
+        best = max(float(o.samples_per_s[0]) / true_sps for o in measured if landscape.fits(o)[0])
+        assert row["measured_ratio"] == pytest.approx(best)
+        assert row["measured_ratio"] >= row["ratio"] > 0
