@@ -90,3 +90,18 @@ def test_the_measured_ratio_is_the_best_noise_free_configuration_the_search_meas
         best = max(float(o.samples_per_s[0]) / true_sps for o in measured if landscape.fits(o)[0])
         assert row["measured_ratio"] == pytest.approx(best)
         assert row["measured_ratio"] >= row["ratio"] > 0
+
+
+def test_the_family_summary_says_where_the_loss_lies() -> None:
+    # Three searches: one returned its best measured (0.99), one returned 0.90 having measured 0.97,
+    # one returned 0.90 having measured nothing better. One of the two below 0.95 had measured >= 0.95.
+    from bench.search import family_summary
+
+    base = {"strategy": "bayes", "budget_s": 1800.0, "oom_probes": 0, "over_ceiling": 0, "found": "x", "probes": 5, "cpu_s": 1.0}
+    rows = [{**base, "draw": 0, "ratio": 0.99, "measured_ratio": 0.99},
+            {**base, "draw": 1, "ratio": 0.90, "measured_ratio": 0.97},
+            {**base, "draw": 2, "ratio": 0.90, "measured_ratio": 0.90}]
+    figures = family_summary(rows)["bayes"]["30m"]
+    assert figures["below_095"] == 2 and figures["below_095_measured"] == 1
+    assert figures["measured_p5_ratio"] == pytest.approx(0.907)  # numpy's linear 5th percentile of 0.90, 0.97, 0.99
+    assert figures["p5_ratio"] == pytest.approx(0.90)
