@@ -123,6 +123,37 @@ def test_frontier_seeds_an_expert_configuration_at_the_predicted_largest_batch(f
     assert fake.memory_bytes(expert) <= 20 * GiB
 
 
+@dataclass
+class _HungrierExpert(FakeEvaluator):
+    """:class:`FakeEvaluator` whose fused-AdamW group holds 0.6 GiB per sample, not 0.5."""
+
+    def memory_bytes(self, params: TrialParams) -> int:  # type: ignore[override]
+        extra = 0.1 * GiB * params.per_device_train_batch_size if params.optim == "adamw_torch_fused" else 0.0
+        return int(FakeEvaluator.memory_bytes(params) + extra)
+
+
+def test_frontier_seeds_the_expert_again_below_the_ceiling_it_went_over(fake_gpu) -> None:
+    # The expert lands at batch 32 (predicted 17 GiB) and peaks at 20.2 GiB: it ran, over the 20 GiB
+    # ceiling. It was taken as done (it ran), so the expert's precision, kernel and optimizer were
+    # never measured at a batch that fits (on the pythia-160m L4 table, once the memory model fitted
+    # the CUDA context apart, frontier returned fp32 at 0.28 of the best).
+    space = parse_space({
+        "per_device_train_batch_size": [8, 16, 32, 48, 64],
+        "optim": ["adamw_torch", "adamw_torch_fused"],
+        "attn_implementation": ["eager", "sdpa"],
+        "dataloader_num_workers": [0, 4],
+    }).restrict(fake_gpu)
+    fake = _HungrierExpert(oom_above_bytes=80 * GiB)
+    run_search(
+        optuna.create_study(direction="maximize"), space, fake, SearchSettings(memory_ceiling_bytes=20 * GiB, n_trials=3),
+        baseline=baseline_params(), clock=fake.clock, strategy=FrontierStrategy(),
+    )
+    expert, again = fake.calls[1], fake.calls[2]
+    assert expert.per_device_train_batch_size == 32 and fake.memory_bytes(expert) > 20 * GiB
+    assert again == expert.replace(per_device_train_batch_size=again.per_device_train_batch_size)
+    assert again.per_device_train_batch_size < 32 and fake.memory_bytes(again) <= 20 * GiB
+
+
 @pytest.mark.parametrize("table, ceiling", [
     ("landscape_gptneox-1.3b-a100.csv.gz", 40), ("landscape_pythia-160m-l4.csv.gz", 16), ("landscape_llama-1b-a10g.csv.gz", 22),
 ])

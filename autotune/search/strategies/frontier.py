@@ -131,8 +131,8 @@ class FrontierStrategy(Strategy):
             values[name] = preferred[0] if preferred else choices[0]
         expert = _with(state, TrialParams.from_dict(values), per_device_train_batch_size=min(_batch_sizes(state)))
         at_frontier = self._at_frontier(state, expert)
-        if at_frontier is not None and not any(_move_key(o.params) == _move_key(expert) and o.result.ok for o in state.history):
-            yield at_frontier  # again at the corrected frontier if it ran out of memory
+        if at_frontier is not None and not any(_move_key(o.params) == _move_key(expert) and o.result.fits(state.ceiling_bytes) for o in state.history):
+            yield at_frontier  # again at the corrected frontier if it ran out of memory or over the ceiling
         if state.feasible():
             return
         # Nothing fits yet: the expert with the memory savers, most frugal first (checkpointing and
