@@ -29,7 +29,8 @@ it costs time (each step after it allocates afresh), which the probes measure.
 
 :class:`MemoryModel` calibrates this online from measured peaks: one global least-squares fit of
 two scales (static and activation bytes, relative to the analytic model, or to generic relative
-factors when no model config is known, as in a replay); then the fixed activation factors (fp32,
+factors when no model config is known, as in a replay: then with a constant of its own for the CUDA
+context, and from the peaks without checkpointing where they suffice); then the fixed activation factors (fp32,
 eager attention, checkpointing, compile, Liger) are learnt from the data, one scale per measured
 combination of them and a log-linear model of the factors for the combinations never measured,
 with out-of-memory probes as lower bounds (``MemoryModel._learn_classes``); overridden per group
@@ -93,6 +94,7 @@ PRUNE_MARGIN = 0.05  # prune only when predicted over the ceiling by more than t
 UNCALIBRATED_PRUNE_MARGIN = 0.25  # the same for a group never measured, predicted from generic factors
 
 # Learning the activation factors from measurements (MemoryModel._learn_classes):
+BASE_PRIOR_SD_BYTES = 0.5 * GiB  # without model dims: the prior sd of the memory that is neither per parameter nor per sample
 PEAK_SD = 0.05  # relative error of a measured peak as a sample of the linear model (allocator rounding, fragmentation)
 SCALE_PRIOR_SD = 1.0  # prior sd of the static scale and of each class's activation scale, around the global fit
 FACTOR_SD_GENERIC = 0.4  # prior sd of a fixed activation factor's log error, without model dims
@@ -325,6 +327,7 @@ class MemoryModel:
     _class_log_scale: dict[ActivationClass, float] | None = None  # learnt log correction per activation class
     _factor_model: tuple[float, np.ndarray] | None = None  # (intercept, per-factor log corrections) for classes never measured
     _static_factor: float = 1.0  # the static scale's refinement by the per-class fit
+    _base_bytes: float = 0.0  # without model dims: memory that is neither per parameter nor per sample (see _fitted_scales)
     _observations: list[tuple[TrialParams, int]] = field(default_factory=list)
     _classes_measured: set[ActivationClass] = field(default_factory=set)  # the activation classes of _observations
 
@@ -355,7 +358,16 @@ class MemoryModel:
         return float(static), float(activation_bytes_per_sample(self.dims, params, self.seq_len))
 
     def _fitted_scales(self) -> tuple[float, float] | None:
-        """Least-squares (static, activation) scales over every ok measurement; the prior is (1, 1)."""
+        """Least-squares (static, activation) scales over every ok measurement; the prior is (1, 1).
+
+        Without model dims the static feature counts bytes per parameter, and what every training
+        process holds whatever it trains (the CUDA context, the cuBLAS handles and workspaces:
+        :data:`CUDA_CONTEXT_BYTES`) is not per parameter: it is a constant of its own
+        (:attr:`_base_bytes`), fitted around that prior (at most half the smallest peak). Folded
+        into the static scale, it inflated every optimizer's state by the context's share: on a
+        drawn landscape with a 1 GiB context and a 50M-parameter model, 8-bit Adam's 2 B/param were
+        predicted at 0.4 GiB more than Adafactor's, not 0.1, and never run under a tight ceiling.
+        """
         if self._scales is not None:
             return self._scales
         rows = [(*self._features(p), float(p.per_device_train_batch_size), float(m)) for p, m in self._observations]
@@ -369,14 +381,41 @@ class MemoryModel:
             weight = float(np.median(y)) * 0.3  # worth ~0.1 of a measurement per scale
             x = np.vstack([x, [[weight, 0.0], [0.0, weight]]])
             y = np.concatenate([y, [weight, weight]])
-        if np.linalg.matrix_rank(x) < 2:
-            # No prior and points of one kind only: one common scale for both features.
-            s, a, b, m = rows[-1]
-            self._scales = (m / (s + b * a),) * 2
+        else:
+            base_prior = min(float(CUDA_CONTEXT_BYTES), 0.5 * float(y.min()))
+            weight = PEAK_SD * float(np.median(y)) / BASE_PRIOR_SD_BYTES  # the prior's worth against a peak's error
+            if np.linalg.matrix_rank(x) < 2:
+                # Points of one kind only: the prior's constant, one common scale for both features.
+                s, a, b, m = rows[-1]
+                self._base_bytes = base_prior
+                self._scales = ((m - base_prior) / (s + b * a),) * 2
+                return self._scales
+            # Checkpointing's fixed factor (15 % of the activations kept) is the least certain
+            # (models keep 10-50 %), and checkpointed probes run at the largest batches, where a
+            # wrong factor moves the fit most: on drawn landscapes their peaks left 0.1-2 % of the
+            # bytes to an activation, every batch of a group measured once was predicted near its
+            # one peak, and a search ran out of memory at 5-30 batches in a row. Where the peaks
+            # without checkpointing can carry the fit (two directions), it is theirs;
+            # _learn_classes learns what checkpointing keeps.
+            plain = np.array([not p.gradient_checkpointing for p, _ in self._observations])
+            if np.linalg.matrix_rank(x[plain]) >= 2:
+                coef = self._fit_with_base(x[plain], y[plain], base_prior, weight)
+            else:
+                coef = self._fit_with_base(x, y, base_prior, weight)
+            self._base_bytes = min(max(float(coef[0]), 0.0), float(y.min()))
+            self._scales = (max(float(coef[1]), 0.0), max(float(coef[2]), 1e-12))
             return self._scales
         coef, *_ = np.linalg.lstsq(x, y, rcond=None)
         self._scales = (max(float(coef[0]), 0.0), max(float(coef[1]), 1e-12))
         return self._scales
+
+    @staticmethod
+    def _fit_with_base(x: np.ndarray, y: np.ndarray, base_prior: float, weight: float) -> np.ndarray:
+        """Least-squares (constant, static scale, activation scale) for rows ``x`` of (static,
+        activation) features, the constant ridged toward ``base_prior`` with ``weight``."""
+        design = np.vstack([np.hstack([np.ones((len(y), 1)), x]), [[weight, 0.0, 0.0]]])
+        coef, *_ = np.linalg.lstsq(design, np.concatenate([y, [weight * base_prior]]), rcond=None)
+        return coef
 
     # ---------------------------------------------------------------- predicting
 
@@ -400,7 +439,7 @@ class MemoryModel:
             (b0, m0), = fits.items()
             sibling = self._sibling_slope(params, slope)
             return int(m0 + (batch - b0) * (sibling if sibling is not None else slope))
-        return int(scales[0] * self._static_factor * self._features(params)[0] + batch * slope)
+        return int(self._base_bytes + scales[0] * self._static_factor * self._features(params)[0] + batch * slope)
 
     def _activation_slope(self, params: TrialParams) -> float:
         """Predicted activation bytes per sample: the fitted scale times the learnt correction of the
@@ -458,6 +497,7 @@ class MemoryModel:
             x[row, 1 + column[activation_class(params)]] = params.per_device_train_batch_size * act * act_scale
             y[row] = peak
         weights = 1.0 / (PEAK_SD * np.maximum(y, 1.0)) ** 2
+        y = y - self._base_bytes
         prior_precision = np.full(1 + len(keys), 1.0 / SCALE_PRIOR_SD**2)
         precision = (x * weights[:, None]).T @ x + np.diag(prior_precision)
         covariance = np.linalg.inv(precision)
@@ -474,7 +514,7 @@ class MemoryModel:
                 continue
             params = TrialParams.from_dict({**dict(zip(GROUP_KEYS, group)), "per_device_train_batch_size": data.oom_from})
             static, act = self._features(params)
-            needed = (most - static_scale * self._static_factor * static) / (data.oom_from * act * act_scale)
+            needed = (most - self._base_bytes - static_scale * self._static_factor * static) / (data.oom_from * act * act_scale)
             if needed > 0:
                 key = activation_class(params)
                 bounds[key] = max(bounds.get(key, -math.inf), min(math.log(needed), MAX_BOUND_LOG))
