@@ -267,7 +267,8 @@ def test_without_model_dims_the_cuda_context_is_not_counted_per_parameter() -> N
     # A 50M-parameter model under a 1 GiB CUDA context (no model dims: a replay): bf16 takes 10 B
     # per parameter with Adafactor (its state is ~0) and 12 with 8-bit Adam, so 8-bit Adam needs 0.1
     # GiB more. Fitted as bytes per parameter, the context inflated the static scale, and 8-bit
-    # Adam was predicted 0.3 GiB more: over a ceiling it fits under (a drawn landscape, 2.2 GiB).
+    # Adam was predicted 0.18 GiB more here (0.4 on a drawn landscape, over the 2.2 GiB ceiling it
+    # fits under).
     params_b = 50e6
 
     def peak(p: TrialParams) -> int:
@@ -294,7 +295,7 @@ def test_without_model_dims_the_cuda_context_is_not_counted_per_parameter() -> N
 ])
 def test_checkpointed_peaks_do_not_take_the_activations_bytes_away(peaks_gib, ceiling_gib, batch, true_gib) -> None:
     # Two drawn landscapes' first peaks (no model dims). Fitted with the checkpointed peak at its
-    # large batch and the fixed 15 %, the activations got 0.1-2 % of their bytes: the bf16 group was
+    # large batch and the fixed 15 %, the activations got 0-2 % of their bytes: the bf16 group was
     # predicted near its one peak at every batch, and the searches ran out of memory at 5 and 30
     # batches in a row. The peaks without checkpointing carry the fit; a batch whose true peak is
     # far over the ceiling is predicted over it, and pruned.

@@ -133,10 +133,10 @@ class _HungrierExpert(FakeEvaluator):
 
 
 def test_frontier_seeds_the_expert_again_below_the_ceiling_it_went_over(fake_gpu) -> None:
-    # The expert lands at batch 32 (predicted 17 GiB) and peaks at 20.2 GiB: it ran, over the 20 GiB
-    # ceiling. It was taken as done (it ran), so the expert's precision, kernel and optimizer were
-    # never measured at a batch that fits (on the pythia-160m L4 table, once the memory model fitted
-    # the CUDA context apart, frontier returned fp32 at 0.28 of the best).
+    # The expert lands at batch 32 and peaks at 20.2 GiB: it ran, over the 20 GiB ceiling. It was
+    # taken as done (it ran), so the expert's precision, kernel and optimizer were never measured
+    # at a batch that fits (on the pythia-160m L4 table, once the memory model fitted the CUDA
+    # context apart, frontier returned fp32 at 0.28 of the best).
     space = parse_space({
         "per_device_train_batch_size": [8, 16, 32, 48, 64],
         "optim": ["adamw_torch", "adamw_torch_fused"],

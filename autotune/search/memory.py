@@ -392,7 +392,7 @@ class MemoryModel:
                 return self._scales
             # Checkpointing's fixed factor (15 % of the activations kept) is the least certain
             # (models keep 10-50 %), and checkpointed probes run at the largest batches, where a
-            # wrong factor moves the fit most: on drawn landscapes their peaks left 0.1-2 % of the
+            # wrong factor moves the fit most: on drawn landscapes their peaks left 0-2 % of the
             # bytes to an activation, every batch of a group measured once was predicted near its
             # one peak, and a search ran out of memory at 5-30 batches in a row. Where the peaks
             # without checkpointing can carry the fit (two directions), it is theirs;
