@@ -262,7 +262,6 @@ def test_peaks_at_one_batch_size_teach_no_activation_factor() -> None:
     assert kept_by_checkpointing() == pytest.approx(0.3, abs=0.05)
 
 
-
 def test_without_model_dims_the_cuda_context_is_not_counted_per_parameter() -> None:
     # A 50M-parameter model under a 1 GiB CUDA context (no model dims: a replay): bf16 takes 10 B
     # per parameter with Adafactor (its state is ~0) and 12 with 8-bit Adam, so 8-bit Adam needs 0.1

@@ -103,19 +103,24 @@ def test_frontier_prunes_larger_batches_after_an_oom() -> None:
     assert strategy.prune(TrialParams(per_device_train_batch_size=16), state) is None
 
 
-def test_frontier_seeds_an_expert_configuration_at_the_predicted_largest_batch(fake_gpu) -> None:
+def _frontier_seeding(fake_gpu, fake: FakeEvaluator, n_trials: int) -> list[TrialParams]:
+    """What ``frontier`` probes in its first ``n_trials`` (the baseline first) on a small space under a 20 GiB ceiling."""
     space = parse_space({
         "per_device_train_batch_size": [8, 16, 32, 48, 64],
         "optim": ["adamw_torch", "adamw_torch_fused"],
         "attn_implementation": ["eager", "sdpa"],
         "dataloader_num_workers": [0, 4],
     }).restrict(fake_gpu)
-    fake = FakeEvaluator(oom_above_bytes=80 * GiB)
     run_search(
-        optuna.create_study(direction="maximize"), space, fake, SearchSettings(memory_ceiling_bytes=20 * GiB, n_trials=2),
+        optuna.create_study(direction="maximize"), space, fake, SearchSettings(memory_ceiling_bytes=20 * GiB, n_trials=n_trials),
         baseline=baseline_params(), clock=fake.clock, strategy=FrontierStrategy(),
     )
-    expert = fake.calls[1]
+    return fake.calls
+
+
+def test_frontier_seeds_an_expert_configuration_at_the_predicted_largest_batch(fake_gpu) -> None:
+    fake = FakeEvaluator(oom_above_bytes=80 * GiB)
+    expert = _frontier_seeding(fake_gpu, fake, n_trials=2)[1]
     assert (expert.optim, expert.attn_implementation, expert.torch_compile, expert.dataloader_num_workers) == ("adamw_torch_fused", "sdpa", "off", 4)
     # The baseline measured 5 GiB at batch 8 (FakeEvaluator: 1 GiB + 0.5 GiB/sample). Scaled in
     # proportion (an upper bound above batch 8), 32 is the largest batch predicted under 20 GiB.
@@ -137,18 +142,8 @@ def test_frontier_seeds_the_expert_again_below_the_ceiling_it_went_over(fake_gpu
     # taken as done (it ran), so the expert's precision, kernel and optimizer were never measured
     # at a batch that fits (on the pythia-160m L4 table, once the memory model fitted the CUDA
     # context apart, frontier returned fp32 at 0.28 of the best).
-    space = parse_space({
-        "per_device_train_batch_size": [8, 16, 32, 48, 64],
-        "optim": ["adamw_torch", "adamw_torch_fused"],
-        "attn_implementation": ["eager", "sdpa"],
-        "dataloader_num_workers": [0, 4],
-    }).restrict(fake_gpu)
     fake = _HungrierExpert(oom_above_bytes=80 * GiB)
-    run_search(
-        optuna.create_study(direction="maximize"), space, fake, SearchSettings(memory_ceiling_bytes=20 * GiB, n_trials=3),
-        baseline=baseline_params(), clock=fake.clock, strategy=FrontierStrategy(),
-    )
-    expert, again = fake.calls[1], fake.calls[2]
+    expert, again = _frontier_seeding(fake_gpu, fake, n_trials=3)[1:3]
     assert expert.per_device_train_batch_size == 32 and fake.memory_bytes(expert) > 20 * GiB
     assert again == expert.replace(per_device_train_batch_size=again.per_device_train_batch_size)
     assert again.per_device_train_batch_size < 32 and fake.memory_bytes(again) <= 20 * GiB

@@ -85,6 +85,7 @@ _DEFAULT_OPTIM_STATE_BYTES = 8.0
 # cudaMallocAsync outside PyTorch's allocator (CUDA >= 12.2, pytorch#124250) add about 1 GB more.
 # A probe measures its own (ProbeResult.non_allocator_bytes); this is the prior before any probe.
 CUDA_CONTEXT_BYTES = 1536 * 2**20
+BASE_PRIOR_SD_BYTES = 0.5 * GiB  # without model dims: the prior sd of that memory, fitted as a constant (MemoryModel._fitted_scales)
 COMPILE_ACTIVATION_FACTOR = 0.85  # inductor fuses pointwise ops, so fewer intermediates are saved
 # Without model dims (a replay): the share of activations Liger's fused cross-entropy removes, the logits
 # being some tenths of them at common vocabularies and widths; the calibration fits the rest.
@@ -94,7 +95,6 @@ PRUNE_MARGIN = 0.05  # prune only when predicted over the ceiling by more than t
 UNCALIBRATED_PRUNE_MARGIN = 0.25  # the same for a group never measured, predicted from generic factors
 
 # Learning the activation factors from measurements (MemoryModel._learn_classes):
-BASE_PRIOR_SD_BYTES = 0.5 * GiB  # without model dims: the prior sd of the memory that is neither per parameter nor per sample
 PEAK_SD = 0.05  # relative error of a measured peak as a sample of the linear model (allocator rounding, fragmentation)
 SCALE_PRIOR_SD = 1.0  # prior sd of the static scale and of each class's activation scale, around the global fit
 FACTOR_SD_GENERIC = 0.4  # prior sd of a fixed activation factor's log error, without model dims
@@ -383,13 +383,13 @@ class MemoryModel:
             y = np.concatenate([y, [weight, weight]])
         else:
             base_prior = min(float(CUDA_CONTEXT_BYTES), 0.5 * float(y.min()))
-            weight = PEAK_SD * float(np.median(y)) / BASE_PRIOR_SD_BYTES  # the prior's worth against a peak's error
             if np.linalg.matrix_rank(x) < 2:
                 # Points of one kind only: the prior's constant, one common scale for both features.
                 s, a, b, m = rows[-1]
                 self._base_bytes = base_prior
                 self._scales = ((m - base_prior) / (s + b * a),) * 2
                 return self._scales
+            weight = PEAK_SD * float(np.median(y)) / BASE_PRIOR_SD_BYTES  # the prior's worth against a peak's error
             # Checkpointing's fixed factor (15 % of the activations kept) is the least certain
             # (models keep 10-50 %), and checkpointed probes run at the largest batches, where a
             # wrong factor moves the fit most: on drawn landscapes their peaks left 0-2 % of the
