@@ -3,6 +3,7 @@
     python -m bench.trace 42                          # design draw 42, bayes, 30 virtual minutes
     python -m bench.trace 42 --budget 10m --strategy tpe
     python -m bench.trace 24,35,91                    # several draws, one after another
+    python -m bench.trace 13 --noise-stream 1         # the search bench.search --noise-stream 1 scored
     python -m bench.trace 0-99 --calibration          # bayes only: how well its model predicted its probes
 
 The search is the one ``python -m bench.search --family ...`` scores for that draw (same strategy,
@@ -40,16 +41,17 @@ from bench.family import RANGE_SPAN  # a draw's seed is its index in its range
 GiB = 2**30
 
 
-def trace(draw: int, budget_s: float, strategy: str = "bayes", out: Any = None) -> dict[str, Any]:
+def trace(draw: int, budget_s: float, strategy: str = "bayes", out: Any = None, noise_stream: int = 0) -> dict[str, Any]:
     """Run and print one traced search; returns ``bench.search.family_search``'s row with
     ``found_params`` (the returned configuration, or ``None``) and ``missed``:
-    ``[(parameter, optimum's value, factor, runs and fits)]`` for the one-value changes."""
+    ``[(parameter, optimum's value, factor, runs and fits)]`` for the one-value changes.
+    ``noise_stream`` redraws the probes' noise as ``bench.search --noise-stream`` does."""
     from bench.family import FAMILY_PARAMS, OK
     from bench.search import _landscape, family_search
 
     out = out if out is not None else sys.stdout
     log: list[Any] = []
-    row = family_search(strategy, draw, budget_s, draw % RANGE_SPAN, log=log)
+    row = family_search(strategy, draw, budget_s, draw % RANGE_SPAN, log=log, noise_stream=noise_stream)
     landscape = _landscape(draw)
     true_params, true_sps = landscape.true_best()
     print(landscape.shape.describe(), file=out)
@@ -154,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("draws", help="draw numbers: 42, 24,35,91 or 0-99")
     parser.add_argument("--budget", default="30m", help="virtual budget (default: 30m)")
     parser.add_argument("--strategy", default="bayes", help="a strategy name (default: bayes)")
+    parser.add_argument("--noise-stream", type=int, default=0, help="redraw the probes' noise, as bench.search --noise-stream (default: 0)")
     parser.add_argument("--calibration", action="store_true", help="bayes's prediction errors over the draws instead of traces")
     args = parser.parse_args(argv)
     try:
@@ -166,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     for i, draw in enumerate(draws):
         if i:
             print()
-        trace(draw, parse_duration_s(args.budget), args.strategy)
+        trace(draw, parse_duration_s(args.budget), args.strategy, noise_stream=args.noise_stream)
     return 0
 
 
