@@ -24,6 +24,15 @@ def test_the_trace_is_the_search_bench_search_scores() -> None:
     assert any(line.startswith("found ") and row["found"] in line for line in lines)
 
 
+def test_a_trace_on_another_noise_stream_is_that_streams_scored_search() -> None:
+    out, default_out = io.StringIO(), io.StringIO()
+    row = trace(2, BUDGET_S, out=out, noise_stream=1)
+    scored = family_search("bayes", 2, BUDGET_S, 2, noise_stream=1)
+    assert (row["ratio"], row["found"], row["probes"]) == (scored["ratio"], scored["found"], scored["probes"])
+    trace(2, BUDGET_S, out=default_out)
+    assert out.getvalue() != default_out.getvalue()  # other noise: other measured samples/s
+
+
 def test_each_miss_is_the_found_configuration_with_one_value_of_the_optimum() -> None:
     row = trace(2, BUDGET_S, out=io.StringIO())
     landscape = Landscape(2)
