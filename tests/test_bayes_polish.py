@@ -271,3 +271,29 @@ def test_a_cheap_recompilation_with_one_attention_kernel_says_nothing_of_another
     history.append(_compiled(3, 12.0, attn_implementation="sdpa", gradient_accumulation_steps=2, **ckpt))
     sdpa_again = _compile_cost(history, space, attn_implementation="sdpa", gradient_accumulation_steps=4, **ckpt)
     assert sdpa - sdpa_again > 25.0
+
+
+def test_the_time_kept_for_near_ties_is_left_by_exploring_probes_not_by_polishing() -> None:
+    # With all the time left, bayes explores; when the loop keeps all but a minute of it for
+    # re-measuring near-ties (kept_s), an exploring probe would eat that time: only a polishing one
+    # (another compile mode, more accumulation, the model's pick) is proposed.
+    history = [_ok(0, 50.0), _ok(1, 100.0, precision="bf16", per_device_train_batch_size=32),
+               _ok(2, 120.0, wall_s=100.0, precision="bf16", per_device_train_batch_size=32, torch_compile="inductor")]
+
+    def polishing(state: SearchState) -> tuple[TrialParams | None, bool]:
+        strategy = BayesStrategy()
+        proposal = strategy.propose(state)
+        context = strategy._get_context(state)
+        mean, sd, cap = strategy._throughput(context, list(history))
+        cost_ok, _ = strategy._costs(context, list(history), mean)
+        allowed = np.ones(context.grid.shape, dtype=bool)
+        evidence = MemoryEvidence.of(context.groups, context.grid, history, state.ceiling_bytes)
+        _, keep, _ = strategy._polish_reserve(context, state, state.feasible(), (mean, sd, cap), np.ones(context.grid.shape), cost_ok, allowed, evidence)
+        index = context.grid.flat_index(proposal) if proposal is not None else None
+        return proposal, index is not None and bool(np.broadcast_to(keep, context.grid.shape).reshape(-1)[index])
+
+    free, free_polishes = polishing(_state(history, 3600.0, checkpointing=False))
+    assert free is not None and not free_polishes
+    kept = replace(_state(history, 3600.0, checkpointing=False), kept_s=3540.0)
+    proposal, polishes = polishing(kept)
+    assert proposal is not None and polishes

@@ -317,6 +317,26 @@ def test_budget_reserves_time_for_the_near_ties(fake_gpu) -> None:
     assert outcome.probes_run - outcome.remeasures == 4 and outcome.remeasures == 3
 
 
+def test_the_strategy_is_told_the_time_kept_for_the_near_ties(fake_gpu) -> None:
+    """Once two configurations are near-tied, each measured once, the strategy is told that the loop
+    keeps their two re-measures (30 s each) of the time left (``SearchState.kept_s``)."""
+    from autotune.search.strategies.baselines import RandomStrategy
+
+    seen: list[tuple[float, float | None, float]] = []
+
+    class Recording(RandomStrategy):
+        def propose(self, state):
+            seen.append((fake.clock.now(), state.remaining_s, state.kept_s))
+            return super().propose(state)
+
+    fake = NoisyEvaluator({8: [50.0], 16: [80.0], 32: [100.0, 100.0], 64: [99.5, 99.5], 96: [60.0]})
+    run_search(_study(), _batch_space(fake_gpu, (8, 16, 32, 64, 96)), fake,
+               SearchSettings(memory_ceiling_bytes=40 * GiB, budget_s=1000.0, min_probe_s=1.0), clock=fake.clock, strategy=Recording())
+    tied_from = 30.0 * (1 + max(fake.calls.index(32), fake.calls.index(64)))  # both measured once by then
+    assert any(now >= tied_from for now, _, _ in seen)
+    assert all(left == 1000.0 - now and kept == (60.0 if now >= tied_from else 0.0) for now, left, kept in seen)
+
+
 def test_long_near_tie_probes_do_not_stop_exploring(fake_gpu) -> None:
     """A near-tie whose re-measure would take more than a tenth of the budget (and more than a typical
     probe) keeps no time from exploring: deciding a tie within noise is worth less than the probes it

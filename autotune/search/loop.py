@@ -427,8 +427,11 @@ def run_search(
                 break
             # The strategy plans with the whole time left: a near-tie found mid-run is usually overtaken
             # by a faster configuration, and shrinking the plan for it cost the frontier strategy a probe
-            # in bench.search. The reserve is enforced here, when deciding whether to explore at all.
+            # in bench.search. The reserve is enforced here, when deciding whether to explore at all,
+            # and told to the strategy (kept_s): bayes keeps it from exploring probes longer than a
+            # typical one, not from polishing (another compile mode can pay 10 %, a re-measure a few).
             state.remaining_s = remaining_s if deadline_s is not None else None
+            state.kept_s = reserve_s
             # What to claim: an enqueued trial first (ask pops it), then the baseline, a configuration
             # whose process died, the fresh point after a repeat, the strategy's proposal; else the sampler's.
             proposal, as_baseline, retry_of = None, False, None

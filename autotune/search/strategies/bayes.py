@@ -449,7 +449,8 @@ class BayesStrategy(Strategy):
                 # The time left is what was kept: polish, the most valuable probe first (cheaper ones
                 # rank first per second, and the one that pays most would no longer fit after them).
                 return grid.params_at(order[0])
-            allowed = allowed & (polish | (cost_ok + reserve <= state.remaining_s))
+            # Nor an exploring one that would eat into the time the loop keeps for the near-ties (kept_s).
+            allowed = allowed & (polish | (cost_ok + reserve + state.kept_s <= state.remaining_s))
             if not allowed.any():
                 return None
         # Upper bound of the score (P(fits) = 1 wherever no evidence says otherwise), then the exact
