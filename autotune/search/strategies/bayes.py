@@ -39,7 +39,8 @@ improvement per expected probe second:
 * **Probe seconds**: start-up, compilation per mode and the measured window, learnt from the
   probes' own timings (priors until then), a graph compiled before in the run at what such
   recompilations measured (inductor's cache); a failure is charged what failing costs. A probe that
-  cannot finish in the time left is not proposed, nor one that would eat the time kept for
+  cannot finish in the time left is not proposed, nor an exploring one that would eat the time the
+  loop keeps for re-measuring near-ties (``SearchState.kept_s``), nor one that would eat the time kept for
   polishing the best configurations (another compile mode, more accumulation, one at a time, and
   the model's own pick, which combines factors measured apart:
   :meth:`BayesStrategy._polish_reserve`), which rank late per second and pay off most; the
