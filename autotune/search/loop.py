@@ -428,8 +428,8 @@ def run_search(
             # The strategy plans with the whole time left: a near-tie found mid-run is usually overtaken
             # by a faster configuration, and shrinking the plan for it cost the frontier strategy a probe
             # in bench.search. The reserve is enforced here, when deciding whether to explore at all,
-            # and told to the strategy (kept_s): bayes keeps it from exploring probes longer than a
-            # typical one, not from polishing (another compile mode can pay 10 %, a re-measure a few).
+            # and told to the strategy (kept_s): bayes keeps it from its exploring probes, not from
+            # polishing (another compile mode can pay 10 %, a re-measure among near-ties a few).
             state.remaining_s = remaining_s if deadline_s is not None else None
             state.kept_s = reserve_s
             # What to claim: an enqueued trial first (ask pops it), then the baseline, a configuration

@@ -60,10 +60,10 @@ class SearchState:
     # TrialParams.key() of measured or pruned configurations, and of those in flight in other workers (SeenKeys)
     seen: Container[tuple[Any, ...]] = field(default_factory=set)
     remaining_s: float | None = None  # budget left; None without a time budget
+    baseline: TrialParams | None = None
     # Of remaining_s, what the loop keeps for re-measuring the near-ties so far (each measured once):
     # a strategy that knows which of its probes pay more than that (bayes's polish) spends it on those only.
     kept_s: float = 0.0
-    baseline: TrialParams | None = None
 
     def feasible(self) -> list[Configuration]:
         """The configurations that fit, fastest mean first: the one ranking rule."""
