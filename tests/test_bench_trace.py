@@ -56,6 +56,13 @@ def test_bad_draw_numbers_are_one_line_errors(capsys) -> None:
     assert "whole numbers or ranges separated by commas" in capsys.readouterr().err
 
 
+def test_a_negative_noise_stream_is_a_one_line_error(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["2", "--noise-stream", "-1"])
+    assert exit_info.value.code == 2
+    assert "--noise-stream takes 0" in capsys.readouterr().err
+
+
 def test_calibration_scores_every_probe_that_measured_a_throughput() -> None:
     out = io.StringIO()
     summary = calibration([2, 5], BUDGET_S, out=out)
