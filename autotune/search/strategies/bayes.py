@@ -716,7 +716,8 @@ class BayesStrategy(Strategy):
         14) (per probe, not per second: the time is kept for them anyway; and over the incumbent
         itself, not over the best uncompiled configuration, which guides exploring, not the final
         choice), at their predicted cost, which follows the measured compile and step times, and at
-        most :data:`POLISH_SHARE` of the run's budget. Compile variants of other uncompiled
+        most :data:`POLISH_SHARE` of the run's budget; two that differ only in the loader's workers
+        ask one question and keep time once. Compile variants of other uncompiled
         configurations are left to exploring, which measures those against the best uncompiled.
         """
         grid = context.grid
@@ -756,7 +757,16 @@ class BayesStrategy(Strategy):
         most = POLISH_SHARE * self._budget_s if self._budget_s > 0 else math.inf
         keep = np.zeros(grid.size, dtype=bool)
         reserve, order = 0.0, []
-        for _, cost, index in sorted(best_of.values(), reverse=True)[:POLISH_PROBES]:
+        # One question, one probe: candidates that differ only in the loader's workers (the model's
+        # pick next to a variant, say) keep their time once, the one worth more.
+        candidates: list[tuple[float, int]] = []
+        questions: set[TrialParams] = set()
+        for _, cost, index in sorted(best_of.values(), reverse=True):
+            question = grid.params_at(index).replace(**{WORKERS: 0})
+            if question not in questions:
+                questions.add(question)
+                candidates.append((cost, index))
+        for cost, index in candidates[:POLISH_PROBES]:
             if reserve + POLISH_MARGIN * cost <= most and cost <= (state.remaining_s or math.inf):
                 keep[index] = True
                 order.append(index)
