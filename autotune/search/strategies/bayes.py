@@ -752,13 +752,13 @@ class BayesStrategy(Strategy):
                 if value > 0 and value > best_of.get(dim, (0.0, 0.0, -1))[0]:
                     best_of[dim] = (value, float(flat["cost_ok"][index]), index)
         pick = self._models_pick(context, state, evidence, worth)
-        if pick is not None and pick[1] not in {index for _, _, index in best_of.values()}:  # a variant already, worth no less without P(fits)
+        if pick is not None:  # where it is a variant already, that entry is worth no less (no P(fits)) and keeps the time
             best_of["model"] = (pick[0], float(flat["cost_ok"][pick[1]]), pick[1])
         most = POLISH_SHARE * self._budget_s if self._budget_s > 0 else math.inf
         keep = np.zeros(grid.size, dtype=bool)
         reserve, order = 0.0, []
-        # One question, one probe: candidates that differ only in the loader's workers (the model's
-        # pick next to a variant, say) keep their time once, the one worth more.
+        # One question, one probe: candidates that are the same configuration, or differ only in the
+        # loader's workers (the model's pick next to a variant, say), keep their time once, the one worth more.
         candidates: list[tuple[float, int]] = []
         questions: set[TrialParams] = set()
         for _, cost, index in sorted(best_of.values(), reverse=True):
