@@ -109,6 +109,11 @@ def _budget_label(budget_s: float) -> str:
     return f"{budget_s / 60:g}m"
 
 
+def noise_stream_problem(stream: int) -> str | None:
+    """What is wrong with ``--noise-stream stream`` (``None``: nothing); bench.trace takes the same."""
+    return None if stream >= 0 else "--noise-stream takes 0 (the family's own noise) or a positive number"
+
+
 def family_ranges() -> dict[str, int]:
     """``{range name: first draw}``: ``design``, ``heldout`` (from bench.family), ``heldout2`` to ``heldout13``."""
     from bench.family import RANGE_SPAN, RANGES
@@ -424,8 +429,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare", nargs=2, metavar=("BEFORE.csv", "AFTER.csv"), default=None,
                         help="compare two --details files of the same draws, paired (no search runs)")
     args = parser.parse_args(argv)
-    if args.noise_stream < 0:
-        print("error: --noise-stream takes 0 (the family's own noise) or a positive number", file=sys.stderr)
+    problem = noise_stream_problem(args.noise_stream)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     if args.gpu_seeds < 0:
         print("error: --gpu-seeds takes 0 (no GPU tables) or a positive number of seeds", file=sys.stderr)

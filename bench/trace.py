@@ -159,8 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--noise-stream", type=int, default=0, help="redraw the probes' noise, as bench.search --noise-stream (default: 0)")
     parser.add_argument("--calibration", action="store_true", help="bayes's prediction errors over the draws instead of traces")
     args = parser.parse_args(argv)
-    if args.noise_stream < 0:
-        parser.error("--noise-stream takes 0 (the family's own noise) or a positive number, as bench.search does")
+    from bench.search import noise_stream_problem
+
+    problem = noise_stream_problem(args.noise_stream)
+    if problem is not None:
+        parser.error(problem)
     try:
         draws = _draws(args.draws)
     except ValueError:
