@@ -646,3 +646,37 @@ def test_the_step_time_model_learns_whether_compilation_cuts_overhead_or_per_sam
     true_gain = log_rate(8, True) - log_rate(8, False)
     assert compiled - plain == pytest.approx(true_gain, abs=0.05)
     assert abs(true_gain - (log_rate(64, True) - log_rate(64, False))) > 0.2  # the gain differs by batch: the check can fail
+
+
+def test_bayes_reads_a_twin_groups_fit_off_the_peaks_measured_in_the_group_that_stores_alike() -> None:
+    # Compiled sdpa measured at batch 4 (0.8 of the ceiling) and batch 8 (1.1 of it: over). Flash
+    # attention and max-autotune store like it (fused kernels, compile modes), so their P(fits)
+    # follows those peaks: near certain at batch 4, near nil at batch 8 (the class alone left a
+    # fifth). Eager attention keeps the attention scores: not a twin, its doubt stays the class's.
+    space = parse_space({"per_device_train_batch_size": [2, 4, 8], "precision": ["bf16"], "optim": ["adafactor"],
+                         "attn_implementation": ["eager", "sdpa", "flash_attention_2"],
+                         "torch_compile": ["off", "inductor", "inductor:max-autotune"], "gradient_checkpointing": [True]})
+    ceiling = 10 * GiB
+    fixed = {"precision": "bf16", "optim": "adafactor", "gradient_checkpointing": True}
+
+    def probe(number: int, batch: int, peak_of_ceiling: float) -> Probe:
+        params = space.complete({**fixed, "per_device_train_batch_size": batch, "attn_implementation": "sdpa", "torch_compile": "inductor"})
+        return Probe(number, params, ProbeResult(status="ok", samples_per_s=10.0, peak_mem_bytes=int(peak_of_ceiling * ceiling)))
+
+    history = [probe(0, 4, 0.8), probe(1, 8, 1.1)]
+    memory = MemoryModel()
+    memory.observe_all((p.params, p.result) for p in history)
+    state = SearchState(space, ceiling, memory, history, {p.params.key() for p in history}, remaining_s=3600.0)
+    strategy = BayesStrategy()
+    context = strategy._get_context(state)
+    evidence = MemoryEvidence.of(context.groups, context.grid, history, state.ceiling_bytes)
+
+    def p_fit(attn: str, compile_mode: str) -> np.ndarray:
+        group = context.groups.index(space.complete({**fixed, "attn_implementation": attn, "torch_compile": compile_mode}), context.grid)
+        return strategy._p_fit_row(context, state, evidence, group)
+
+    for attn, mode in (("flash_attention_2", "inductor"), ("sdpa", "inductor:max-autotune"), ("flash_attention_2", "inductor:max-autotune")):
+        row = p_fit(attn, mode)
+        assert row[1] > 0.95 and row[2] < 0.01, (attn, mode, row)
+    eager = p_fit("eager", "inductor")
+    assert 0.01 < eager[1] < 0.99  # more activations than sdpa, by how much the class does not know yet

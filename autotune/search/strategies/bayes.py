@@ -111,6 +111,11 @@ OOM_IMPLIED = 0.05  # P(fits) left where an OOM elsewhere implies this one, give
 # Relative error of a predicted peak, by what was measured: the group's line, one point of it, a
 # group with its activation factors (MemoryModel.class_measured), nothing alike.
 MEMORY_SD = {"line": 0.03, "point": 0.10, "class": 0.10, "none": 0.30}
+# A twin of a measured group (:func:`_twin`: the same static memory and activation factors, so the
+# memory model predicts both alike) differs from it by what the values it differs in store apart:
+# fused attention kernels and compile modes keep activations within about 5 % of each other
+# (_activation_ratio), fp16 and bf16 store alike. Relative sd of its peak around the twin's.
+TWIN_SD = 0.03
 PENDING_NOISE = 0.02  # a pending probe's believed outcome is weighed like a probe with this CI (a real probe's default)
 PENDING_NUMBER = 10**9  # pending probes' numbers: after every real trial's
 
@@ -210,6 +215,20 @@ def _activation_ratio(dim: str, x: Any, y: Any) -> float:
     return 0.5
 
 
+def _twin(dim: str, x: Any, y: Any) -> bool:
+    """Values ``x`` and ``y`` of a memory-group dimension store alike, as far as the memory model
+    tells: 16-bit or 32-bit storage, fused attention kernels, compile modes (but not compiling or not)."""
+    if x == y:
+        return True
+    if dim == "precision":
+        return _precision_class(x) == _precision_class(y)
+    if dim == "attn_implementation":
+        return "eager" not in (x, y)
+    if dim == "torch_compile":
+        return "off" not in (x, y)
+    return False
+
+
 def _similarity(dim: str, x: Any, y: Any) -> float:
     """How much memory evidence about a group with value ``y`` carries to one with value ``x`` (0..1)."""
     if x == y:
@@ -237,6 +256,7 @@ class _Groups:
     dominance: list[np.ndarray]  # per dim: [i, j] = value i needs no less memory than value j
     similarity: np.ndarray  # groups x groups: how far an OOM in one says something about the other's memory (0..1)
     activation_ratio: np.ndarray  # [g, h]: a lower bound of g's activations per sample over h's (0: g's static may be smaller)
+    twin: np.ndarray  # groups x groups: every value stores alike (_twin)
 
     @classmethod
     def of(cls, grid: Grid) -> _Groups:
@@ -253,7 +273,11 @@ class _Groups:
         for d, dim in enumerate(dims):
             table = np.array([[_activation_ratio(dim, x, y) for y in grid.values[dim]] for x in grid.values[dim]])
             ratio *= table[codes[:, d][:, None], codes[:, d][None, :]]
-        return cls(dims, codes, values, dominance, similarity, ratio)
+        twin = np.ones((len(codes), len(codes)), dtype=bool)
+        for d, dim in enumerate(dims):
+            table = np.array([[_twin(dim, x, y) for y in grid.values[dim]] for x in grid.values[dim]])
+            twin &= table[codes[:, d][:, None], codes[:, d][None, :]]
+        return cls(dims, codes, values, dominance, similarity, ratio, twin)
 
     def index(self, params: TrialParams, grid: Grid) -> int:
         codes = [grid.values[d].index(getattr(params, d)) for d in self.dims]
@@ -856,6 +880,10 @@ class BayesStrategy(Strategy):
         margin = np.log(ceiling / np.maximum(model, 1.0)) / sd  # how far under the ceiling the model puts each batch, in sds
         p_fit = normal_cdf(margin)
         if not fits:
+            twins = [t for t in evidence.fits if context.groups.twin[group, t]]
+            if twins:
+                # A measured twin is closer evidence than the class: its peaks, give or take TWIN_SD.
+                p_fit = np.min([self._twin_p_fit(context, state, evidence, t) for t in twins], axis=0)
             # The model's log error r on a group it has not measured is ~ N(0, sd^2). Going over the
             # ceiling where it predicted a margin m says that group's error r' > m there (r' ~
             # N(0, sd'^2)); groups alike (similarity w) share errors: r = w r' + what is ours alone,
@@ -879,6 +907,17 @@ class BayesStrategy(Strategy):
             if ratio > 0:
                 p_fit = np.where(batches >= batches[j] / ratio, p_fit * OOM_IMPLIED, p_fit)
         return p_fit
+
+    def _twin_p_fit(self, context: _Context, state: SearchState, evidence: MemoryEvidence, twin: int) -> np.ndarray:
+        """P(fits) along the batch axis for a group that stores like the measured group ``twin``: the
+        twin's peaks where measured, its memory model's line elsewhere, each give or take :data:`TWIN_SD`."""
+        row = self._predicted_row(context, state, twin)
+        assert row is not None  # the twin has a measured peak
+        sd = np.full(len(row), math.hypot(TWIN_SD, self._memory_sd(context, state, evidence, twin)))
+        row = row.astype(float).copy()
+        for j, peak in evidence.fits[twin].items():
+            row[j], sd[j] = peak, TWIN_SD
+        return normal_cdf(np.log(state.ceiling_bytes / np.maximum(row, 1.0)) / sd)
 
     def _misses(self, context: _Context, state: SearchState, evidence: MemoryEvidence) -> dict[int, tuple[float, float]]:
         """Per group gone over the ceiling (an OOM, or a peak measured over it) where the memory model
