@@ -320,3 +320,29 @@ def test_no_two_polishing_probes_ask_the_same_question_with_another_loader_worke
     assert len(questions) == len(set(questions))
     assert order[0] == twin and grid.flat_index(accumulating) not in order
     assert any(grid.params_at(i).torch_compile == "inductor:max-autotune" for i in order)
+
+
+def _precision_state(history: list[Probe], precisions: list[str]) -> SearchState:
+    space = parse_space({"per_device_train_batch_size": [4, 8, 16], "gradient_accumulation_steps": [1, 4],
+                         "precision": precisions, "torch_compile": ["off", "inductor"]})
+    memory = MemoryModel()
+    memory.observe_all((p.params, p.result) for p in history)
+    return SearchState(space, 40 * GiB, memory, history, {p.params.key() for p in history}, 1800.0)
+
+
+def test_the_other_16_bit_format_is_measured_once_next_to_the_best_uncompiled_configuration() -> None:
+    # bf16 runs, fp16 never did: the model's prior keeps them 2 % apart, and either can be several
+    # percent faster, so fp16 is measured once, paired with the best uncompiled bf16 configuration
+    # (cheap: no compilation), and its answer carries to the compiled ones through the model.
+    history = [_ok(0, 100.0, precision="fp32", per_device_train_batch_size=8),
+               _ok(1, 300.0, precision="bf16", per_device_train_batch_size=8),
+               _ok(2, 320.0, precision="bf16", per_device_train_batch_size=16),
+               _ok(3, 360.0, precision="bf16", per_device_train_batch_size=16, torch_compile="inductor")]
+    proposal = BayesStrategy().propose(_precision_state(history, ["fp32", "fp16", "bf16"]))
+    assert proposal == TrialParams(precision="fp16", per_device_train_batch_size=16)
+    # Once anything ran in fp16 (here: it diverged), the question was asked; and with fp16 outside
+    # the space there is no other format to ask about.
+    diverged = Probe(4, proposal, ProbeResult(status="diverged"))
+    for state in (_precision_state([*history, diverged], ["fp32", "fp16", "bf16"]), _precision_state(history, ["fp32", "bf16"])):
+        again = BayesStrategy().propose(state)
+        assert again is None or again.precision != "fp16"

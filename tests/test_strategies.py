@@ -490,10 +490,16 @@ def test_bayes_asks_another_question_than_a_probe_in_flight() -> None:
     # that differ only in loader workers (a ~3 % effect, nothing waits on input) lose their
     # expected improvement, and the next proposal changes something else. Only excluded (before),
     # the next proposal was the same probe with another loader worker count. fp16, never measured,
-    # is a question worth asking (without it, a calibrated model knows every other change loses).
+    # is a question worth asking (without it, a calibrated model knows every other change loses);
+    # the rule that asks it outright (_precision_sibling) is off here: the model's scores are tested.
     space = {**_PARALLEL_SPACE, "precision": ["fp32", "bf16", "fp16"]}
     history = [_measured(0, 50.0, 2**27), _measured(1, 90.0, 2**27, precision="bf16", per_device_train_batch_size=16)]
-    first = BayesStrategy().propose(_parallel_state(history, set(), space=space))
+
+    def scored_only(strategy: BayesStrategy) -> BayesStrategy:
+        strategy._precision_sibling = lambda *args, **kwargs: None  # type: ignore[method-assign]
+        return strategy
+
+    first = scored_only(BayesStrategy()).propose(_parallel_state(history, set(), space=space))
     assert first is not None
     state = _parallel_state(history, {first.key()}, space=space)
 
@@ -501,8 +507,8 @@ def test_bayes_asks_another_question_than_a_probe_in_flight() -> None:
         assert proposal is not None and proposal != first
         return proposal.replace(dataloader_num_workers=first.dataloader_num_workers) == first
 
-    assert loader_only(_without_pending().propose(state))
-    assert not loader_only(BayesStrategy().propose(state))
+    assert loader_only(scored_only(_without_pending()).propose(state))
+    assert not loader_only(scored_only(BayesStrategy()).propose(state))
 
 
 def test_bayes_counts_a_probe_in_flight_that_likely_overflows_as_out_of_memory() -> None:

@@ -29,7 +29,9 @@ improvement per expected probe second:
   confirmed by a second failure in another context; a configuration holding every suspect of a
   failure is never run (a compile mode that crashed is not retried in the same context).
 * **P(fits)**: the calibrated :class:`~autotune.search.memory.MemoryModel`'s prediction against
-  the ceiling, with an error that shrinks as the memory group gets measured; where a group alike
+  the ceiling, with an error that shrinks as the memory group gets measured (a group never
+  measured whose twin was, storing alike: fused attention kernels, compile modes, fp16 and bf16,
+  reads its peaks off the twin's, give or take :data:`TWIN_SD`); where a group alike
   went over the ceiling against the prediction, the two share part of their error (correlated
   normals: the miss shifts and narrows this group's error, a truncated normal for the group
   itself), and where a group with no more memory went over at a smaller batch, a fit is unlikely. What
@@ -51,6 +53,10 @@ improvement per expected probe second:
   optimizer step over few samples. Once exploring has had its time, the other group's best is
   measured accumulating as many samples per optimizer step as the incumbent
   (:meth:`BayesStrategy._comparison`), so the polish goes to the group that wins amortised.
+* **The other 16-bit format, once**: fp16 and bf16 are a prior 2 % apart and either can be several
+  percent faster, a question that ranks late per second but whose answer carries to every
+  configuration of that precision; once a 16-bit configuration leads and nothing ran in the other
+  format, the best uncompiled one is measured in it (:meth:`BayesStrategy._precision_sibling`).
 
 * **Other workers' probes in flight** (``state.seen.in_flight``) count as finished with their
   likeliest outcome: a fit at the model's mean where a fit is likelier than not (the "kriging
@@ -180,6 +186,12 @@ def _prior_mean(dim: str, value: Any) -> float:
 
 def _precision_class(value: Any) -> str:
     return "amp" if mixed_precision_dtype(str(value)) is not None else "fp32"  # bf16+tf32 stores as bf16
+
+
+def _sixteen_bit_base(precision: str) -> str | None:
+    """``fp16`` or ``bf16`` for a 16-bit mixed precision (``+tf32`` on top included), else None."""
+    base = str(precision).split("+")[0]
+    return base if base in ("fp16", "bf16") else None
 
 
 def _needs_no_less(dim: str, x: Any, y: Any) -> bool:
@@ -455,6 +467,9 @@ class BayesStrategy(Strategy):
             return None
         if state.remaining_s is not None:
             self._budget_s = max(self._budget_s, state.remaining_s)
+        sibling = self._precision_sibling(context, state, feasible, allowed, history)
+        if sibling is not None:
+            return grid.params_at(sibling)
         comparison = self._comparison(context, state, feasible, allowed, evidence, history)
         if comparison is not None and state.remaining_s is None:
             return grid.params_at(comparison)
@@ -721,6 +736,38 @@ class BayesStrategy(Strategy):
             if index is not None and flat_allowed[index]:
                 return index
         return None
+
+    def _precision_sibling(self, context: _Context, state: SearchState, feasible: list[Configuration], allowed: np.ndarray,
+                           history: list[Probe]) -> int | None:
+        """The best uncompiled configuration with the incumbent's 16-bit precision, in the other
+        16-bit format (fp16 for bf16 and back; its flat grid index), once, where nothing ran in it.
+
+        The two formats run the same tensor-core rate on paper, and either can be several percent
+        faster for a model (loss scaling, kernels that differ), which only a measurement tells; the
+        model prefers neither by more than its prior, so per second of probe time the question
+        ranks late, while its answer carries to every configuration of that precision (compiled
+        ones too, where a probe costs many times more). One uncompiled probe asks it."""
+        grid = context.grid
+        if not feasible or "precision" not in grid.names:
+            return None
+        incumbent = feasible[0].params
+        base = _sixteen_bit_base(incumbent.precision)
+        if base is None:
+            return None
+        other = "fp16" if base == "bf16" else "bf16"
+        tried = {_sixteen_bit_base(p.params.precision) for p in history}
+        if other in tried:
+            return None
+        plain = next((c.params for c in feasible if c.params.torch_compile == "off" and _sixteen_bit_base(c.params.precision) == base), None)
+        if plain is None:
+            return None
+        precision = plain.precision.replace(base, other)
+        if precision not in grid.values["precision"]:
+            precision = other
+            if precision not in grid.values["precision"]:
+                return None
+        index = grid.flat_index(state.space.with_changes(plain, precision=precision))
+        return index if index is not None and bool(allowed.reshape(-1)[index]) else None
 
     def _polish_reserve(self, context: _Context, state: SearchState, feasible: list[Configuration], model: tuple[np.ndarray, np.ndarray, np.ndarray],
                         p_ok: np.ndarray, cost_ok: np.ndarray, allowed: np.ndarray, evidence: MemoryEvidence) -> tuple[float, np.ndarray, list[int]]:
