@@ -322,9 +322,9 @@ def test_no_two_polishing_probes_ask_the_same_question_with_another_loader_worke
     assert any(grid.params_at(i).torch_compile == "inductor:max-autotune" for i in order)
 
 
-def _precision_state(history: list[Probe], precisions: list[str]) -> SearchState:
+def _precision_state(history: list[Probe], precisions: list[str], **more: list) -> SearchState:
     space = parse_space({"per_device_train_batch_size": [4, 8, 16], "gradient_accumulation_steps": [1, 4],
-                         "precision": precisions, "torch_compile": ["off", "inductor"]})
+                         "precision": precisions, "torch_compile": ["off", "inductor"], **more})
     memory = MemoryModel()
     memory.observe_all((p.params, p.result) for p in history)
     return SearchState(space, 40 * GiB, memory, history, {p.params.key() for p in history}, 1800.0)
@@ -340,9 +340,27 @@ def test_the_other_16_bit_format_is_measured_once_next_to_the_best_uncompiled_co
                _ok(3, 360.0, precision="bf16", per_device_train_batch_size=16, torch_compile="inductor")]
     proposal = BayesStrategy().propose(_precision_state(history, ["fp32", "fp16", "bf16"]))
     assert proposal == TrialParams(precision="fp16", per_device_train_batch_size=16)
-    # Once anything ran in fp16 (here: it diverged), the question was asked; and with fp16 outside
-    # the space there is no other format to ask about.
+    # Once anything ran in fp16 (here: it diverged, and this space has no other optimizer, kernel or
+    # checkpointing to confirm it in), the question was asked; and with fp16 outside the space
+    # there is no other format to ask about.
     diverged = Probe(4, proposal, ProbeResult(status="diverged"))
     for state in (_precision_state([*history, diverged], ["fp32", "fp16", "bf16"]), _precision_state(history, ["fp32", "bf16"])):
         again = BayesStrategy().propose(state)
         assert again is None or again.precision != "fp16"
+
+
+def test_a_16_bit_format_that_failed_once_is_measured_once_more_in_a_context_its_failure_leaves_likely_to_run() -> None:
+    # fp16 diverged next to the best bf16 configuration, with Adafactor: fp16 itself, or fp16 with
+    # Adafactor (a common cause) is to blame. One failure is evidence, not a rule: fp16 is
+    # measured once more with another optimizer, and a second failure ends the question.
+    optims = {"optim": ["adafactor", "adamw_torch_fused"]}
+    history = [_ok(0, 100.0, precision="fp32", optim="adafactor", per_device_train_batch_size=8),
+               _ok(1, 300.0, precision="bf16", optim="adafactor", per_device_train_batch_size=8),
+               _ok(2, 320.0, precision="bf16", optim="adafactor", per_device_train_batch_size=16),
+               _ok(3, 360.0, precision="bf16", optim="adafactor", per_device_train_batch_size=16, torch_compile="inductor"),
+               Probe(4, TrialParams(precision="fp16", optim="adafactor", per_device_train_batch_size=16), ProbeResult(status="diverged"))]
+    proposal = BayesStrategy().propose(_precision_state(history, ["fp32", "fp16", "bf16"], **optims))
+    assert proposal is not None and (proposal.precision, proposal.optim, proposal.torch_compile) == ("fp16", "adamw_torch_fused", "off")
+    again = Probe(5, proposal, ProbeResult(status="diverged"))
+    after = BayesStrategy().propose(_precision_state([*history, again], ["fp32", "fp16", "bf16"], **optims))
+    assert after is None or after.precision != "fp16"

@@ -57,6 +57,9 @@ improvement per expected probe second:
   percent faster, a question that ranks late per second but whose answer carries to every
   configuration of that precision; once a 16-bit configuration leads and nothing ran in the other
   format, the best uncompiled one is measured in it (:meth:`BayesStrategy._precision_sibling`).
+  Where the other format's one probe crashed or diverged (fp16 with Adafactor), that is evidence,
+  not yet a rule: it is measured once more in a context the failure leaves likely to run (another
+  optimizer, attention kernel or checkpointing), and a second failure confirms it.
 
 * **Other workers' probes in flight** (``state.seen.in_flight``) count as finished with their
   likeliest outcome: a fit at the model's mean where a fit is likelier than not (the "kriging
@@ -122,6 +125,10 @@ MEMORY_SD = {"line": 0.03, "point": 0.10, "class": 0.10, "none": 0.30}
 # fused attention kernels and compile modes keep activations within about 5 % of each other
 # (_activation_ratio), fp16 and bf16 store alike. Relative sd of its peak around the twin's.
 TWIN_SD = 0.03
+# A value that failed once keeps P(runs) of about 0.4 in a context its failure does not hold
+# (failures.py: the value, or a pair around it, is to blame); one that failed twice, about 0.05.
+# Where a failed 16-bit format is confirmed once more, a context with less is no confirmation.
+CONFIRM_P_OK = 0.25
 PENDING_NOISE = 0.02  # a pending probe's believed outcome is weighed like a probe with this CI (a real probe's default)
 PENDING_NUMBER = 10**9  # pending probes' numbers: after every real trial's
 
@@ -467,7 +474,7 @@ class BayesStrategy(Strategy):
             return None
         if state.remaining_s is not None:
             self._budget_s = max(self._budget_s, state.remaining_s)
-        sibling = self._precision_sibling(context, state, feasible, allowed, history)
+        sibling = self._precision_sibling(context, state, feasible, allowed, history, p_ok, mean, evidence)
         if sibling is not None:
             return grid.params_at(sibling)
         comparison = self._comparison(context, state, feasible, allowed, evidence, history)
@@ -721,13 +728,10 @@ class BayesStrategy(Strategy):
                 if value:
                     continue  # checkpointing pays only at larger batches, which the measured group's OOMs say nothing about
                 plain = next((c.params for c in feasible if c.params.torch_compile == "off"), incumbent)
-                switched = state.space.with_changes(plain, gradient_checkpointing=value, torch_compile="off")
-                self._refresh_lines(context, state, len(state.history))
-                p_fit = self._p_fit_row(context, state, evidence, context.groups.index(switched, grid))
-                likely = [b for b, p in zip(grid.values[BATCH], p_fit) if p >= 0.5 and b <= switched.per_device_train_batch_size]
-                if not likely:
+                likely = self._likely_batch(context, state, evidence, state.space.with_changes(plain, gradient_checkpointing=value, torch_compile="off"))
+                if likely is None:
                     continue
-                best = state.space.with_changes(switched, per_device_train_batch_size=max(likely), **{ACCUM: min(grid.values[ACCUM])})
+                best = state.space.with_changes(likely, **{ACCUM: min(grid.values[ACCUM])})
             accums = [a for a in sorted(grid.values[ACCUM]) if a >= best.gradient_accumulation_steps]
             accum = next((a for a in accums if a * best.per_device_train_batch_size >= target), accums[-1] if accums else None)
             if accum is None:
@@ -738,7 +742,7 @@ class BayesStrategy(Strategy):
         return None
 
     def _precision_sibling(self, context: _Context, state: SearchState, feasible: list[Configuration], allowed: np.ndarray,
-                           history: list[Probe]) -> int | None:
+                           history: list[Probe], p_ok: np.ndarray, mean: np.ndarray, evidence: MemoryEvidence) -> int | None:
         """The best uncompiled configuration with the incumbent's 16-bit precision, in the other
         16-bit format (fp16 for bf16 and back; its flat grid index), once, where nothing ran in it.
 
@@ -746,7 +750,14 @@ class BayesStrategy(Strategy):
         faster for a model (loss scaling, kernels that differ), which only a measurement tells; the
         model prefers neither by more than its prior, so per second of probe time the question
         ranks late, while its answer carries to every configuration of that precision (compiled
-        ones too, where a probe costs many times more). One uncompiled probe asks it."""
+        ones too, where a probe costs many times more). One uncompiled probe asks it.
+
+        Where the other format's one probe so far crashed or diverged (fp16 with Adafactor, say),
+        the failure is one piece of evidence, not yet a rule: the question is asked once more, in a
+        context the failure leaves a fair chance to run (:data:`CONFIRM_P_OK`), the best uncompiled configuration
+        with one of its code-path values changed (optimizer, attention kernel, checkpointing), at
+        the largest batch no larger than its own that likely fits; of those, the fastest expected
+        times P(runs). A second failure there confirms the format's own failure."""
         grid = context.grid
         if not feasible or "precision" not in grid.names:
             return None
@@ -755,9 +766,9 @@ class BayesStrategy(Strategy):
         if base is None:
             return None
         other = "fp16" if base == "bf16" else "bf16"
-        tried = {_sixteen_bit_base(p.params.precision) for p in history}
-        if other in tried:
-            return None
+        tried = [p for p in history if _sixteen_bit_base(p.params.precision) == other]
+        if len(tried) > 1 or any(p.result.status not in (ProbeStatus.CRASH, ProbeStatus.DIVERGED) for p in tried):
+            return None  # it ran, ran out of memory, or failed twice: the question was asked
         plain = next((c.params for c in feasible if c.params.torch_compile == "off" and _sixteen_bit_base(c.params.precision) == base), None)
         if plain is None:
             return None
@@ -766,8 +777,34 @@ class BayesStrategy(Strategy):
             precision = other
             if precision not in grid.values["precision"]:
                 return None
-        index = grid.flat_index(state.space.with_changes(plain, precision=precision))
-        return index if index is not None and bool(allowed.reshape(-1)[index]) else None
+        sibling = state.space.with_changes(plain, precision=precision)
+        flat_allowed = allowed.reshape(-1)
+        if not tried:
+            index = grid.flat_index(sibling)
+            return index if index is not None and bool(flat_allowed[index]) else None
+        flat_p_ok = np.broadcast_to(p_ok, grid.shape).reshape(-1)
+        flat_mean = np.broadcast_to(mean, grid.shape).reshape(-1)
+        contexts = [sibling] + [state.space.with_changes(sibling, **{dim: value}) for dim in ("optim", "attn_implementation", "gradient_checkpointing")
+                                if dim in grid.names for value in grid.values[dim] if value != getattr(sibling, dim)]
+        best_value, best_index = -math.inf, None
+        for switched in contexts:
+            candidate = self._likely_batch(context, state, evidence, switched)
+            index = None if candidate is None else grid.flat_index(candidate)
+            if index is None or not flat_allowed[index] or flat_p_ok[index] < CONFIRM_P_OK:
+                continue
+            value = float(flat_p_ok[index] * np.exp(flat_mean[index]))
+            if value > best_value:
+                best_value, best_index = value, index
+        return best_index
+
+    def _likely_batch(self, context: _Context, state: SearchState, evidence: MemoryEvidence, params: TrialParams) -> TrialParams | None:
+        """``params`` at the largest batch no larger than its own that is likelier to fit than not
+        (``None`` where none is)."""
+        grid = context.grid
+        self._refresh_lines(context, state, len(state.history))
+        p_fit = self._p_fit_row(context, state, evidence, context.groups.index(params, grid))
+        likely = [b for b, p in zip(grid.values[BATCH], p_fit) if p >= 0.5 and b <= params.per_device_train_batch_size]
+        return state.space.with_changes(params, per_device_train_batch_size=max(likely)) if likely else None
 
     def _polish_reserve(self, context: _Context, state: SearchState, feasible: list[Configuration], model: tuple[np.ndarray, np.ndarray, np.ndarray],
                         p_ok: np.ndarray, cost_ok: np.ndarray, allowed: np.ndarray, evidence: MemoryEvidence) -> tuple[float, np.ndarray, list[int]]:
