@@ -195,12 +195,6 @@ def _precision_class(value: Any) -> str:
     return "amp" if mixed_precision_dtype(str(value)) is not None else "fp32"  # bf16+tf32 stores as bf16
 
 
-def _sixteen_bit_base(precision: str) -> str | None:
-    """``fp16`` or ``bf16`` for a 16-bit mixed precision (``+tf32`` on top included), else None."""
-    base = str(precision).split("+")[0]
-    return base if base in ("fp16", "bf16") else None
-
-
 def _needs_no_less(dim: str, x: Any, y: Any) -> bool:
     """Value ``x`` of a memory-group dimension needs at least the memory of ``y`` (by construction)."""
     if x == y:
@@ -762,14 +756,14 @@ class BayesStrategy(Strategy):
         if not feasible or "precision" not in grid.names:
             return None
         incumbent = feasible[0].params
-        base = _sixteen_bit_base(incumbent.precision)
+        base = mixed_precision_dtype(incumbent.precision)
         if base is None:
             return None
         other = "fp16" if base == "bf16" else "bf16"
-        tried = [p for p in history if _sixteen_bit_base(p.params.precision) == other]
+        tried = [p for p in history if mixed_precision_dtype(p.params.precision) == other]
         if len(tried) > 1 or any(p.result.status not in (ProbeStatus.CRASH, ProbeStatus.DIVERGED) for p in tried):
             return None  # it ran, ran out of memory, or failed twice: the question was asked
-        plain = next((c.params for c in feasible if c.params.torch_compile == "off" and _sixteen_bit_base(c.params.precision) == base), None)
+        plain = next((c.params for c in feasible if c.params.torch_compile == "off" and mixed_precision_dtype(c.params.precision) == base), None)
         if plain is None:
             return None
         precision = plain.precision.replace(base, other)
