@@ -21,7 +21,7 @@ from autotune.search.memory import MemoryModel
 from autotune.search.replay import ReplayEvaluator, load_table, replay_search
 from autotune.search.strategies.base import SearchState, SeenKeys, Strategy
 from autotune.search.strategies.bayes import BayesStrategy, MemoryEvidence
-from autotune.search.strategies.failures import CRASH, DIVERGENCE, FailureModel
+from autotune.search.strategies.failures import COMPILED, CRASH, DIVERGENCE, FailureModel
 from autotune.search.strategies.frontier import FrontierStrategy
 from autotune.search.strategies.registry import DEFAULT_STRATEGY, STRATEGIES, make_strategy
 from autotune.search.strategies.surrogate import Grid, normal_cdf, normal_cdf_given_above
@@ -231,6 +231,25 @@ def test_a_crash_of_values_that_ran_elsewhere_is_blamed_on_their_pair() -> None:
     assert model.certain_failure(TrialParams(precision="bf16", torch_compile="inductor", attn_implementation="eager")) is not None
     assert model.certain_failure(TrialParams(precision="fp16", torch_compile="inductor")) is None
     assert _p_ok(model, grid, precision="fp16", torch_compile="inductor") > 0.5
+
+
+def test_a_compile_crash_makes_the_other_compile_mode_suspect_until_a_compiled_probe_runs() -> None:
+    # Both compile modes trace the graph the same way (dynamo, then inductor): where one mode
+    # crashed, the other is likelier to crash too; a compiled probe that ran clears what they share.
+    grid = _grid({"per_device_train_batch_size": [8], "precision": ["fp32", "bf16"], "optim": ["adamw_torch_fused", "adafactor"],
+                  "torch_compile": ["off", "inductor", "inductor:max-autotune"], "attn_implementation": ["eager", "sdpa"]})
+    history = [_probe(0, "ok"), _probe(1, "ok", precision="bf16", optim="adafactor", attn_implementation="eager"),
+               _probe(2, "crash", torch_compile="inductor")]
+    before = _p_ok(FailureModel.from_history(grid, history[:2]), grid, torch_compile="inductor:max-autotune")
+    suspect = _p_ok(FailureModel.from_history(grid, history), grid, torch_compile="inductor:max-autotune", precision="bf16")
+    assert suspect < before - 0.15
+    history.append(_probe(3, "crash", torch_compile="inductor:max-autotune", precision="bf16", optim="adafactor"))
+    both = FailureModel.from_history(grid, history)
+    assert both.cause_probability()[(COMPILED,)] > 0.5  # two modes, two contexts: compilation itself, likelier than not
+    assert _p_ok(both, grid, torch_compile="inductor", attn_implementation="eager", precision="bf16") < 0.15
+    cleared = FailureModel.from_history(grid, [*history[:3], _probe(3, "ok", torch_compile="inductor:max-autotune", precision="bf16")])
+    assert COMPILED in cleared.cleared_values
+    assert _p_ok(cleared, grid, torch_compile="inductor:max-autotune", attn_implementation="eager") > 0.8
 
 
 def test_an_out_of_memory_clears_crashes_but_not_divergence() -> None:

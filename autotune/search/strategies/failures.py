@@ -21,7 +21,10 @@ likely worlds, so:
   (a compile mode that crashed is not retried with the same precision, attention, optimizer and
   checkpointing);
 * a value that succeeds anywhere is cleared everywhere, and the failures it was suspected of are
-  then blamed on their pairs.
+  then blamed on their pairs;
+* compile modes share a cause, compilation itself (:data:`COMPILED`: a graph dynamo cannot trace
+  breaks in every mode): a crash of one mode makes the other suspect, a second crash in another
+  mode and context makes compiling at all unlikely to run, and any compiled probe that ran clears it.
 
 Crashes (at start-up or while compiling) and divergences (a non-finite loss) are two kinds with
 causes of their own (:data:`KINDS`): a probe that ran out of memory at its first step, or diverged
@@ -57,12 +60,20 @@ class Kind:
     other_value_prior: float  # dimensions not in value_prior
     pair_prior: dict[frozenset[str], float]
     other_pair_prior: float
+    compiled_prior: float = 0.0  # of COMPILED, the cause every compile mode holds (none where 0)
 
     def prior(self, cause: Cause) -> float:
         if len(cause) == 1:
+            if cause[0] == COMPILED:
+                return self.compiled_prior
             return self.value_prior.get(cause[0][0], self.other_value_prior)
         return self.pair_prior.get(frozenset(v[0] for v in cause), self.other_pair_prior)
 
+
+# Compilation itself (tracing, lowering), which every compile mode goes through: where one mode
+# crashed, the other is suspect too (a graph that dynamo cannot trace breaks in every mode), until
+# a compiled probe ran.
+COMPILED: Value = ("torch_compile", "*")
 
 # A crash happens at start-up or while compiling: a probe that got to run a step (ok, out of memory
 # at the first step, or diverged later) is free of it.
@@ -70,9 +81,9 @@ class Kind:
 # make pairs with those dimensions likelier.
 CRASH = Kind(
     "crash", (ProbeStatus.CRASH,), (ProbeStatus.OK, ProbeStatus.OOM, ProbeStatus.DIVERGED),
-    {"precision": 0.1, "attn_implementation": 0.1, "torch_compile": 0.1, "optim": 0.08}, 0.03,
+    {"precision": 0.1, "attn_implementation": 0.1, "torch_compile": 0.05, "optim": 0.08}, 0.03,
     {frozenset({"precision", "attn_implementation"}): 0.1, frozenset({"torch_compile", "attn_implementation"}): 0.05,
-     frozenset({"torch_compile", "gradient_checkpointing"}): 0.05}, 0.02,
+     frozenset({"torch_compile", "gradient_checkpointing"}): 0.05}, 0.02, compiled_prior=0.06,
 )
 # A divergence shows in the loss: only a probe that trained through its window is free of it.
 # Mostly a matter of precision (fp16's range) and of the optimizer's numerics with it.
@@ -113,7 +124,10 @@ class FailureModel:
 
 
     def values_of(self, params: TrialParams) -> list[Value]:
-        return [(d, getattr(params, d)) for d in self.dims]
+        values = [(d, getattr(params, d)) for d in self.dims]
+        if self.kind.compiled_prior > 0.0 and "torch_compile" in self.dims and params.torch_compile != "off":
+            values.append(COMPILED)
+        return values
 
     def pairs_of(self, params: TrialParams) -> list[Pair]:
         dims = [d for d in self.dims if d in PAIR_DIMS]
@@ -177,6 +191,8 @@ class FailureModel:
             row = [0.0 if (dim, v) in self.cleared_values or (((dim, v),) in enumerated) else math.log1p(-self.kind.prior(((dim, v),)))
                    for v in grid.values[dim]]
             log_prior = log_prior + np.array(row).reshape(grid.broadcast_shape([dim]))
+        if self.kind.compiled_prior > 0.0 and "torch_compile" in self.dims and COMPILED not in self.cleared_values and (COMPILED,) not in enumerated:
+            log_prior = log_prior + self._holds(grid, (COMPILED,)) * math.log1p(-self.kind.compiled_prior)
         known = set(enumerated) | {c for own in private for c in own}
         for a, b in itertools.combinations([d for d in self.dims if d in PAIR_DIMS], 2):
             table = np.zeros((len(grid.values[a]), len(grid.values[b])))
@@ -214,6 +230,9 @@ class FailureModel:
         """Where the grid's points hold every value of ``cause`` (broadcastable over :attr:`dims`)."""
         out = np.ones(grid.broadcast_shape(self.dims), dtype=bool)
         for dim, value in cause:
+            if (dim, value) == COMPILED:
+                out = out & np.array([v != "off" for v in grid.values[dim]]).reshape(grid.broadcast_shape([dim]))
+                continue
             out = out & np.array([v == value and type(v) is type(value) for v in grid.values[dim]]).reshape(grid.broadcast_shape([dim]))
         return out
 
