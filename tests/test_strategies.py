@@ -14,7 +14,7 @@ from optuna.trial import TrialState
 
 from autotune.errors import UsageError
 from autotune.params import TrialParams, baseline_params
-from autotune.records import Probe, ProbeResult
+from autotune.records import Probe, ProbeResult, ProbeStatus
 from autotune.results import trials_frame
 from autotune.search.loop import SearchSettings, VirtualClock, ranked_configurations, run_search
 from autotune.search.memory import MemoryModel
@@ -25,7 +25,7 @@ from autotune.search.strategies.failures import COMPILED, CRASH, DIVERGENCE, Fai
 from autotune.search.strategies.frontier import FrontierStrategy
 from autotune.search.strategies.registry import DEFAULT_STRATEGY, STRATEGIES, make_strategy
 from autotune.search.strategies.surrogate import Grid, normal_cdf, normal_cdf_given_above
-from autotune.space import parse_space
+from autotune.space import SearchSpace, parse_space
 from tests.conftest import FakeEvaluator, GiB
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -673,32 +673,57 @@ def test_the_step_time_model_learns_whether_compilation_cuts_overhead_or_per_sam
     assert abs(true_gain - (log_rate(64, True) - log_rate(64, False))) > 0.2  # the gain differs by batch: the check can fail
 
 
-def test_bayes_reads_a_twin_groups_fit_off_the_peaks_measured_in_the_group_that_stores_alike() -> None:
-    # Compiled sdpa measured at batch 4 (0.8 of the ceiling) and batch 8 (1.1 of it: over). Flash
-    # attention and max-autotune store like it (fused kernels, compile modes), so their P(fits)
-    # follows those peaks: near certain at batch 4, near nil at batch 8 (the class alone left a
-    # fifth). Eager attention keeps the attention scores: not a twin, its doubt stays the class's.
-    space = parse_space({"per_device_train_batch_size": [2, 4, 8], "precision": ["bf16"], "optim": ["adafactor"],
-                         "attn_implementation": ["eager", "sdpa", "flash_attention_2"],
-                         "torch_compile": ["off", "inductor", "inductor:max-autotune"], "gradient_checkpointing": [True]})
-    ceiling = 10 * GiB
-    fixed = {"precision": "bf16", "optim": "adafactor", "gradient_checkpointing": True}
+_TWIN_SPACE = {"per_device_train_batch_size": [2, 4, 8], "precision": ["bf16"], "optim": ["adafactor"],
+               "attn_implementation": ["eager", "sdpa", "flash_attention_2"],
+               "torch_compile": ["off", "inductor", "inductor:max-autotune"], "gradient_checkpointing": [True]}
+_TWIN_FIXED = {"precision": "bf16", "optim": "adafactor", "gradient_checkpointing": True}
+_TWIN_CEILING = 10 * GiB
 
-    def probe(number: int, batch: int, peak_of_ceiling: float) -> Probe:
-        params = space.complete({**fixed, "per_device_train_batch_size": batch, "attn_implementation": "sdpa", "torch_compile": "inductor"})
-        return Probe(number, params, ProbeResult(status="ok", samples_per_s=10.0, peak_mem_bytes=int(peak_of_ceiling * ceiling)))
 
-    history = [probe(0, 4, 0.8), probe(1, 8, 1.1)]
+def _sdpa_probe(space: SearchSpace, number: int, batch: int, mode: str, peak_of_ceiling: float | None) -> Probe:
+    """A probe of sdpa in compile ``mode`` on :data:`_TWIN_SPACE`: out of memory where ``peak_of_ceiling`` is ``None``."""
+    params = space.complete({**_TWIN_FIXED, "per_device_train_batch_size": batch, "attn_implementation": "sdpa", "torch_compile": mode})
+    if peak_of_ceiling is None:
+        return Probe(number, params, ProbeResult(status=ProbeStatus.OOM))
+    return Probe(number, params, ProbeResult(status=ProbeStatus.OK, samples_per_s=10.0, peak_mem_bytes=int(peak_of_ceiling * _TWIN_CEILING)))
+
+
+def _twin_p_fit(space: SearchSpace, history: list[Probe]) -> Callable[[str, str], np.ndarray]:
+    """bayes's P(fits) along the batch axis after ``history``, per (attention kernel, compile mode) group."""
     memory = MemoryModel()
     memory.observe_all((p.params, p.result) for p in history)
-    state = SearchState(space, ceiling, memory, history, {p.params.key() for p in history}, remaining_s=3600.0)
+    state = SearchState(space, _TWIN_CEILING, memory, history, {p.params.key() for p in history}, remaining_s=3600.0)
     strategy = BayesStrategy()
     context = strategy._get_context(state)
     evidence = MemoryEvidence.of(context.groups, context.grid, history, state.ceiling_bytes)
 
     def p_fit(attn: str, compile_mode: str) -> np.ndarray:
-        group = context.groups.index(space.complete({**fixed, "attn_implementation": attn, "torch_compile": compile_mode}), context.grid)
+        group = context.groups.index(space.complete({**_TWIN_FIXED, "attn_implementation": attn, "torch_compile": compile_mode}), context.grid)
         return strategy._p_fit_row(context, state, evidence, group)
+
+    return p_fit
+
+
+def test_bayes_expects_a_fused_twin_out_of_memory_at_the_batch_where_the_other_fused_kernel_was() -> None:
+    # Uncompiled sdpa fitted at batch 4 and ran out of memory at batch 8 (an OOM: no peak). Flash
+    # attention stores like sdpa, so batch 8 is unlikely for it too (before: its activations could be
+    # 5 % fewer, which left batch 8 open); batch 4 stays likely. Max-autotune holds no less than
+    # inductor (its CUDA graphs keep a pool of their own), so inductor's OOM at a batch is its too.
+    space = parse_space(_TWIN_SPACE)
+    p_fit = _twin_p_fit(space, [_sdpa_probe(space, 0, 4, "off", 0.8), _sdpa_probe(space, 1, 8, "off", None), _sdpa_probe(space, 2, 8, "inductor", None)])
+    flash = p_fit("flash_attention_2", "off")
+    assert flash[2] < 0.06 and flash[1] > 0.5, flash
+    autotuned = p_fit("sdpa", "inductor:max-autotune")
+    assert autotuned[2] < 0.06, autotuned
+
+
+def test_bayes_reads_a_twin_groups_fit_off_the_peaks_measured_in_the_group_that_stores_alike() -> None:
+    # Compiled sdpa measured at batch 4 (0.8 of the ceiling) and batch 8 (1.1 of it: over). Flash
+    # attention and max-autotune store like it (fused kernels, compile modes), so their P(fits)
+    # follows those peaks: near certain at batch 4, near nil at batch 8 (the class alone left a
+    # fifth). Eager attention keeps the attention scores: not a twin, its doubt stays the class's.
+    space = parse_space(_TWIN_SPACE)
+    p_fit = _twin_p_fit(space, [_sdpa_probe(space, 0, 4, "inductor", 0.8), _sdpa_probe(space, 1, 8, "inductor", 1.1)])
 
     for attn, mode in (("flash_attention_2", "inductor"), ("sdpa", "inductor:max-autotune"), ("flash_attention_2", "inductor:max-autotune")):
         row = p_fit(attn, mode)
