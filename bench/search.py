@@ -18,7 +18,8 @@
     python -m bench.search --family heldout12 --draws 200 --budgets 10m,30m,60m # a twelfth, run once on round 18's strategy
     python -m bench.search --family heldout15 --draws 200 --budgets 10m,30m,60m # a fifteenth, run once on round 22's strategy
     python -m bench.search --family heldout16 --draws 200 --budgets 10m,30m,60m # a sixteenth, run once on round 22's final strategy (V25)
-    python -m bench.search --family heldout17 --draws 200 --budgets 10m,30m,60m # a seventeenth, untouched until the next design is frozen
+    python -m bench.search --family heldout17 --draws 200 --budgets 30m       # a seventeenth, run once on round 22's final strategy (a second check)
+    python -m bench.search --family heldout18 --draws 200 --budgets 10m,30m,60m # an eighteenth, untouched until the next design is frozen
     python -m bench.search --family design --draws 400 --budgets 30m --strategies bayes --details after.csv
     python -m bench.search --compare before.csv after.csv    # paired, draw by draw, with the 5th percentile's bootstrap interval
     python -m bench.search --family design --draws 400 --budgets 30m --strategies bayes --noise-stream 1  # the same, other probe noise
@@ -39,8 +40,9 @@ draws 1100000-1100199 (defined after round 16's strategy was run on heldout10, r
 strategy), ``heldout12`` = draws 1200000-1200199 (defined after round 17, run once on round 18's strategy),
 ``heldout13`` = draws 1300000-1300199 (run once after round 19); ``heldout14`` = draws 1400000-1400199 (run once after round 20); ``heldout15`` = draws 1500000-1500199
 (defined after round 20, run once after round 22); ``heldout16`` = draws 1600000-1600199 (defined in round 22, run once on its final strategy);
-``heldout17`` = draws 1700000-1700199 (defined after that; untouched). All eighteen come
-from the same frozen generator (``bench.family.FAMILY_VERSION``); ``heldout2`` to ``heldout17`` are defined here
+``heldout17`` = draws 1700000-1700199 (run once on it too, a second check); ``heldout18`` = draws
+1800000-1800199 (defined after that; untouched). All nineteen come
+from the same frozen generator (``bench.family.FAMILY_VERSION``); ``heldout2`` to ``heldout18`` are defined here
 (``heldoutN`` starts at draw N x 100,000), not in ``bench.family``.
 
 Family mode runs one search per strategy, draw and budget (separate searches, seed = the draw's
@@ -102,7 +104,7 @@ GPU_SEEDS = 5  # family mode: seeds per GPU-recorded table and budget
 # Further held-out ranges: heldoutN starts at draw N x bench.family.RANGE_SPAN (heldout, from
 # bench.family, is the first). Each was added when the one before it had been seen, and is run once a
 # design is frozen.
-LAST_HELDOUT = 17  # heldout17 (1700000-...) is untouched: defined in round 22, for the next design
+LAST_HELDOUT = 18  # heldout18 (1800000-...) is untouched: defined in round 22, for the next design
 LOW_RATIO = 0.95  # #14's target for the 5th percentile: draws below it are counted ("<0.95")
 CHANGED = 0.005  # --compare: a draw whose ratio moved more than this changed
 BOOTSTRAP_RESAMPLES = 2000
@@ -119,7 +121,7 @@ def noise_stream_problem(stream: int) -> str | None:
 
 
 def family_ranges() -> dict[str, int]:
-    """``{range name: first draw}``: ``design``, ``heldout`` (from bench.family), ``heldout2`` to ``heldout17``."""
+    """``{range name: first draw}``: ``design``, ``heldout`` (from bench.family), ``heldout2`` to ``heldout18``."""
     from bench.family import RANGE_SPAN, RANGES
 
     return {**RANGES, **{f"heldout{n}": n * RANGE_SPAN for n in range(2, LAST_HELDOUT + 1)}}
@@ -284,7 +286,7 @@ def _family_task(task: tuple[str, int, float, int, int]) -> dict[str, Any]:
 
 
 def bench_family(family: str, draws: int, strategies: list[str], budgets_s: list[float], processes: int, noise_stream: int = 0) -> list[dict[str, Any]]:
-    """Every strategy x budget on ``draws`` landscapes of the range ``family`` (``design``, ``heldout``, ``heldout2`` to ``heldout17``)."""
+    """Every strategy x budget on ``draws`` landscapes of the range ``family`` (``design``, ``heldout``, ``heldout2`` to ``heldout18``)."""
     start = family_ranges()[family]
     tasks = [(strategy, start + i, budget_s, i, noise_stream) for i in range(draws) for strategy in strategies for budget_s in budgets_s]
     return _map(_family_task, tasks, processes, chunksize=max(1, len(strategies) * len(budgets_s)))
