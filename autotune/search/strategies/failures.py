@@ -123,9 +123,14 @@ class FailureModel:
         return model
 
 
+    @property
+    def shares_compilation(self) -> bool:
+        """Whether :data:`COMPILED` is a cause here (this kind gives it a prior, the grid compiles)."""
+        return self.kind.compiled_prior > 0.0 and "torch_compile" in self.dims
+
     def values_of(self, params: TrialParams) -> list[Value]:
         values = [(d, getattr(params, d)) for d in self.dims]
-        if self.kind.compiled_prior > 0.0 and "torch_compile" in self.dims and params.torch_compile != "off":
+        if self.shares_compilation and params.torch_compile != "off":
             values.append(COMPILED)
         return values
 
@@ -191,7 +196,7 @@ class FailureModel:
             row = [0.0 if (dim, v) in self.cleared_values or (((dim, v),) in enumerated) else math.log1p(-self.kind.prior(((dim, v),)))
                    for v in grid.values[dim]]
             log_prior = log_prior + np.array(row).reshape(grid.broadcast_shape([dim]))
-        if self.kind.compiled_prior > 0.0 and "torch_compile" in self.dims and COMPILED not in self.cleared_values and (COMPILED,) not in enumerated:
+        if self.shares_compilation and COMPILED not in self.cleared_values and (COMPILED,) not in enumerated:
             log_prior = log_prior + self._holds(grid, (COMPILED,)) * math.log1p(-self.kind.compiled_prior)
         known = set(enumerated) | {c for own in private for c in own}
         for a, b in itertools.combinations([d for d in self.dims if d in PAIR_DIMS], 2):
