@@ -54,6 +54,7 @@ ATTR_RETRY_OF = "retry_of"  # probes again the configuration of this trial, whos
 ATTR_REMEASURE_ROUND = "remeasure_round"  # a re-measure: which probe of the configuration it is (2, 3)
 STUDY_DEADLINE_ATTR = "deadline_unix_s"  # study user attribute: when the workers' shared budget ends (time.time())
 ROLE_BASELINE = "baseline"
+ROLE_EXPERT = "expert"  # the expert rule's configuration (autotune.search.expert), measured early as a reference
 
 CONSTRAINT_MEMORY = "memory"  # (peak - ceiling) / ceiling: feasible when <= 0
 METRIC_NAME = "samples_per_s"  # the objective's name, as optuna-dashboard and Optuna's plots label it
@@ -397,7 +398,12 @@ def _live(trial: FrozenTrial) -> bool:
 def baseline_settled(trials: Sequence[FrozenTrial]) -> bool:
     """A baseline trial is queued, running, or finished for good (one that never finished, was cut
     short, or whose process died for the first time is run again)."""
-    return any(is_baseline(t) and _live(t) for t in trials)
+    return role_settled(trials, ROLE_BASELINE)
+
+
+def role_settled(trials: Sequence[FrozenTrial], role: str) -> bool:
+    """A trial of this role (:data:`ROLE_BASELINE`, :data:`ROLE_EXPERT`) is queued, running, or finished for good."""
+    return any(t.user_attrs.get(ATTR_ROLE) == role and _live(t) for t in trials)
 
 
 def has_baseline(study: optuna.Study) -> bool:
@@ -526,6 +532,7 @@ def claim(
     distributions: dict[str, optuna.distributions.BaseDistribution],
     *,
     baseline: bool = False,
+    role: str | None = None,
     retry_of: int | None = None,
 ) -> optuna.Trial:
     """A RUNNING trial of ``params`` that claims it from its creation: parameters, configuration,
@@ -535,8 +542,8 @@ def claim(
     worker's proposal, and it has no configuration until ``suggest``.
     """
     user_attrs: dict[str, Any] = {ATTR_PARAMS: params.to_dict(), ATTR_OWNER: owner(), ATTR_HEARTBEAT: time.time()}
-    if baseline:
-        user_attrs[ATTR_ROLE] = ROLE_BASELINE
+    if baseline or role:
+        user_attrs[ATTR_ROLE] = role or ROLE_BASELINE
     if retry_of is not None:
         user_attrs[ATTR_RETRY_OF] = retry_of
     template = optuna.trial.create_trial(

@@ -424,3 +424,41 @@ def test_an_unstable_configuration_is_flagged_in_the_terminal_and_the_report(fak
     model = build_report_model(result)
     flags = [cell.text for row in model.rows for column, cell in zip(model.columns, row.cells) if column.key == "flags"]
     assert sum("unstable (probes 4% apart)" in f for f in flags) == 1
+
+
+def test_the_expert_rule_runs_right_after_the_baseline_as_a_named_reference(fake_gpu) -> None:
+    from autotune.search.expert import expert_params
+
+    space = _space(optim=["adamw_torch", "adamw_torch_fused"], torch_compile=["off", "inductor"],
+                   attn_implementation=["eager", "sdpa"]).restrict(fake_gpu)
+    # No model dims: the memory model knows nothing yet, so the expert takes the largest batch of the space.
+    expert = expert_params(space, baseline_params(), None, 40 * GiB)
+    assert expert == TrialParams(per_device_train_batch_size=64, precision="bf16", optim="adamw_torch_fused",
+                                 torch_compile="inductor", attn_implementation="sdpa")
+    fake = FakeEvaluator()
+    study = _study()
+    run_search(study, space, fake, SearchSettings(memory_ceiling_bytes=40 * GiB, n_trials=4), baseline=baseline_params(),
+               expert=expert, clock=fake.clock)
+    assert fake.calls[:2] == [baseline_params(), expert]
+    assert [t.user_attrs.get("role") for t in study.trials[:2]] == ["baseline", "expert"]
+    # A resumed study does not run it again.
+    fake2 = FakeEvaluator()
+    run_search(study, space, fake2, SearchSettings(memory_ceiling_bytes=40 * GiB, n_trials=2), baseline=baseline_params(),
+               expert=expert, clock=fake2.clock)
+    assert expert not in fake2.calls and baseline_params() not in fake2.calls
+
+
+def test_the_expert_batch_is_the_largest_the_memory_model_says_fits(fake_gpu) -> None:
+    from autotune.search.expert import expert_params
+
+    class Memory:  # a fixed frontier: batch 24 fits, 32 does not
+        def largest_batch_that_fits(self, params, batches, ceiling):
+            assert params.precision == "bf16" and not params.gradient_checkpointing
+            return max(b for b in batches if b <= 24)
+
+    space = _space(per_device_train_batch_size=[8, 16, 24, 32], gradient_checkpointing=[True, False])
+    assert expert_params(space, baseline_params(), Memory(), 40 * GiB).per_device_train_batch_size == 24
+    fixed = parse_space({"per_device_train_batch_size": [8, 16, 24, 32], "precision": ["fp32", "bf16"]}).restrict(
+        fake_gpu, effective_batch_size=32)
+    # Under a fixed effective batch of 32 only divisors of it are candidates: 24 is not one.
+    assert expert_params(fixed, baseline_params(32, (8, 16, 24, 32)), Memory(), 40 * GiB).per_device_train_batch_size == 16

@@ -339,6 +339,7 @@ def run_search(
     settings: SearchSettings,
     *,
     baseline: TrialParams | None = None,
+    expert: TrialParams | None = None,
     clock: Clock | None = None,
     on_trial: Callable[[TrialRecord], None] | None = None,
     on_start: Callable[[int, TrialParams], None] | None = None,
@@ -355,6 +356,8 @@ def run_search(
         settings: budget, trial count, memory ceiling, per-probe timeout.
         baseline: run first in a study whose baseline is not queued, running or finished for good
             (a baseline that never finished, or whose process died once, is run again).
+        expert: the expert rule's configuration (:func:`autotune.search.expert.expert_params`): run right
+            after the baseline, as a named reference, unless it is measured or settled already.
         clock: time source for the budget (a :class:`VirtualClock` for replays and tests).
         on_trial: called after every finished trial, e.g. to update a progress display.
         on_start: called before every probe with the trial number and its parameters.
@@ -378,7 +381,8 @@ def run_search(
     synced = _Synced(memory, from_number=max((t.number for t in trials), default=-1) + 1)
     outcome = SearchOutcome(stopped_because="budget")
     wall_times_s: list[float] = []
-    state = SearchState(space, settings.memory_ceiling_bytes, memory, synced.history, SeenKeys(synced.seen), baseline=baseline)
+    state = SearchState(space, settings.memory_ceiling_bytes, memory, synced.history, SeenKeys(synced.seen), baseline=baseline,
+                        expert=expert)
     if strategy is not None:
         study.sampler = strategy.sampler(settings.seed)
     distributions = _distributions(space)
@@ -434,13 +438,16 @@ def run_search(
             state.kept_s = reserve_s
             # What to claim: an enqueued trial first (ask pops it), then the baseline, a configuration
             # whose process died, the fresh point after a repeat, the strategy's proposal; else the sampler's.
-            proposal, as_baseline, retry_of = None, False, None
+            proposal, role, retry_of = None, None, None
             retry = studies.retry_candidates(trials)
             if studies.has_waiting(trials):
                 pass
             elif baseline is not None and not studies.baseline_settled(trials) and not _pruned_here(synced.seen.get(baseline.key())):
-                proposal, as_baseline = baseline, True
+                proposal, role = baseline, studies.ROLE_BASELINE
                 retry_of = next((t.number for t in retry if studies.config_key(t) == baseline.key()), None)
+            elif expert is not None and not studies.role_settled(trials, studies.ROLE_EXPERT) and expert.key() not in synced.seen:
+                proposal, role = expert, studies.ROLE_EXPERT
+                retry_of = next((t.number for t in retry if studies.config_key(t) == expert.key()), None)
             elif retry:
                 proposal, retry_of = TrialParams.from_dict(retry[0].user_attrs[studies.ATTR_PARAMS]), retry[0].number
             elif fresh is not None:
@@ -455,7 +462,7 @@ def run_search(
             fresh = None
             if proposal is not None:
                 trial = open_trial = studies.claim(
-                    study, proposal, space.optuna_params(proposal), distributions, baseline=as_baseline, retry_of=retry_of
+                    study, proposal, space.optuna_params(proposal), distributions, role=role, retry_of=retry_of
                 )
             else:
                 trial = open_trial = studies.ask(study)

@@ -61,6 +61,7 @@ class SearchState:
     seen: Container[tuple[Any, ...]] = field(default_factory=set)
     remaining_s: float | None = None  # budget left; None without a time budget
     baseline: TrialParams | None = None
+    expert: TrialParams | None = None  # the expert rule's configuration (autotune.search.expert), measured early
     # Of remaining_s, what the loop keeps for re-measuring the near-ties so far (each measured once):
     # a strategy that knows which of its probes pay more than that (bayes's polish) spends it on those only.
     kept_s: float = 0.0
