@@ -25,13 +25,13 @@ import optuna
 
 import autotune.studies as studies
 from autotune.errors import DeviceError, UsageError
-from autotune.params import TrialParams
+from autotune.params import PARAM_DEFAULTS, PARAM_NAMES, TrialParams
 from autotune.probe.device import detect_device
 from autotune.records import DeviceInfo
 from autotune.results import TuneResult, load_result
 from autotune.search.loop import Evaluator, SearchOutcome, SearchSettings, TrialRecord, run_search
 from autotune.search.strategies.registry import DEFAULT_STRATEGY, make_strategy
-from autotune.space import SearchSpace, load_space
+from autotune.space import NO_EFFECT_ON_CPU, Dropped, SearchSpace, parse_space, read_space_data
 from autotune.studies import DEFAULT_STORAGE
 from autotune.units import format_bytes, parse_bytes, parse_duration_s
 from autotune.version import __version__
@@ -47,7 +47,8 @@ CEILING_SAFETY_FRACTION = 0.95  # leave 5% of the device below the ceiling for t
 # --isolation: how each probe's process starts -> autotune.probe.isolation's mode.
 ISOLATION_MODES: dict[str, IsolationMode] = {"fork": "forkserver", "cold": "cold"}
 # A resumed study must agree on these (the memory ceiling may change; the device is checked by name).
-_MUST_MATCH = ("model_config_sha1", "seq_len", "space", "effective_batch_size", "dataset", "peft", "trainer")
+_MUST_MATCH = ("model_config_sha1", "seq_len", "space", "effective_batch_size", "dataset", "peft", "trainer", "baseline")
+OBJECTIVES = ("tokens", "samples")
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,17 @@ class RunOptions:
             (any subclass, e.g. TRL's ``SFTTrainer``) that builds your model, data and Trainer with the
             arguments it is given. It runs only in the probes' child processes (and one plan-time check);
             its model and data replace ``model``, ``dataset``, ``peft`` and ``seq_len``, which must not be
-            given with it (:mod:`autotune.probe.user_trainer`).
+            given with it (:mod:`autotune.probe.user_trainer`). A factory ``make_trainer(argv)`` takes its own
+            command-line inputs instead (``trainer_args``) and parses them with its own parser.
+        trainer_args: the inputs of a ``make_trainer(argv)`` factory, as one string (split like a shell
+            would: ``"--model_name_or_path m --lora_r 64"``) or a list; TRL's ``--config sft.yaml`` among
+            them works. They are part of the study's identity (with what the factory builds from them).
+        baseline: the settings to measure the speed-up against: a JSON/YAML file (or a mapping) of config
+            fields (``{"per_device_train_batch_size": 16, "bf16": true}``); default: the factory's own
+            settings (``trainer_args`` alone), else transformers' defaults.
+        objective: ``tokens`` (real, non-padding tokens per second; the default with ``trainer``, whose
+            batches' lengths vary) or ``samples`` (sequences per second; the default otherwise, where
+            every sequence has ``seq_len`` tokens).
     """
 
     model: str | None = None
@@ -133,6 +144,9 @@ class RunOptions:
     lora_dropout: float | None = None
     lora_target_modules: str | Sequence[str] | None = None
     trainer: Any = None  # a reference string, or an autotune.probe.user_trainer.TrainerRef (a worker: the study's)
+    trainer_args: str | Sequence[str] | None = None
+    baseline: str | dict[str, Any] | None = None
+    objective: str | None = None
 
     @classmethod
     def of(cls, **values: Any) -> RunOptions:
@@ -172,6 +186,35 @@ class RunPlan:
     peft: Any = None  # autotune.lora.LoraSettings; None: every weight is trained
     parameters: Any = None  # autotune.lora.ParameterCounts of the model as trained (with peft); None: all trainable
     trainer: Any = None  # autotune.probe.trainer_check.UserTrainer: the user's factory, checked; None: the built-in path
+    expert: TrialParams | None = None  # the expert rule's configuration (autotune.search.expert), a reference row
+    objective: str = "samples"  # one of OBJECTIVES
+    baseline_source: str = "defaults"  # "user" (a make_trainer(argv) factory's own settings), "file" (--baseline), "defaults"
+
+    @property
+    def tokens_per_sample(self) -> float | None:
+        """Under the tokens objective, the data's real tokens per sequence (samples/s is tokens/s over it)."""
+        if self.objective != "tokens" or self.trainer is None or not self.trainer.tokens_per_sequence:
+            return None
+        return round(float(self.trainer.tokens_per_sequence), 3)
+
+    def trainer_identity(self) -> dict[str, Any] | None:
+        """What makes the user's training this training: the factory, its inputs (and the files they name, by
+        content), and what the plan-time check saw it build (model, parameters, dtypes, tokens per sequence)."""
+        if self.trainer is None:
+            return None
+        user, counts = self.trainer, self.parameters
+        return {
+            "reference": user.ref.reference,
+            "args": list(user.trainer_args) if user.trainer_args is not None else None,
+            "files": _named_files(user.trainer_args or (), user.ref),
+            "config_class": user.config_class,
+            "model_config_sha1": _config_hash(user.config),
+            "trainable": counts.trainable if counts else None,
+            "frozen": counts.frozen if counts else None,
+            "dtypes": counts.to_dict().get("dtypes") if counts else None,
+            "tokens_per_sequence": round(float(user.tokens_per_sequence), 1) if user.tokens_per_sequence else None,
+            "objective": self.objective,
+        }
 
     def study_attrs(self, command: str | None) -> dict[str, Any]:
         from autotune.models import count_parameters
@@ -192,12 +235,19 @@ class RunPlan:
             "strategy": self.strategy,
             "peft": self.peft.to_dict() if self.peft else None,
             "parameters": self.parameters.to_dict() if self.parameters else None,
-            "trainer": self.trainer.ref.reference if self.trainer else None,
+            "trainer": self.trainer_identity(),
+            "expert": self.expert.to_dict() if self.expert else None,
+            "objective": self.objective,
+            "baseline_source": self.baseline_source,
+            "config_class": self.trainer.config_class if self.trainer else "transformers.training_args.TrainingArguments",
+            "user_config": self.trainer.user_config if self.trainer else None,
             # What a worker joining from elsewhere needs to probe exactly as this run does (autotune.workers).
             "probe": {
                 "warmup_steps": self.warmup_steps, "measure_steps": self.measure_steps,
                 "trial_timeout_s": self.settings.trial_timeout_s, "seed": self.settings.seed, "isolation": self.isolation,
                 "trainer_sys_path": self.trainer.ref.sys_path if self.trainer else None,
+                "trainer_attn_flag": bool(self.trainer and self.trainer.takes_attn_flag),
+                "tokens_per_sample": self.tokens_per_sample,
             },
             "command": command,
             "versions": package_versions(),
@@ -206,6 +256,25 @@ class RunPlan:
 
 def _config_hash(config: dict[str, Any]) -> str:
     return hashlib.sha1(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def _named_files(argv: Sequence[str], ref: Any) -> dict[str, str]:
+    """The files a factory's inputs name (``--config sft.yaml``, a local dataset), by content: editing one is
+    another training, though the command line is the same. Paths relative to the user's folder, as the factory sees them."""
+    base = Path(ref.sys_path) if getattr(ref, "sys_path", None) else Path.cwd()
+    found = {}
+    for item in argv:
+        for text in (item, item.partition("=")[2]):
+            if not text or text.startswith("-") or len(text) > 4096:
+                continue
+            path = Path(text).expanduser()
+            path = path if path.is_absolute() else base / path
+            try:
+                if path.is_file():
+                    found[text] = hashlib.sha1(path.read_bytes()).hexdigest()[:12]
+            except OSError:
+                continue
+    return found
 
 
 def package_versions() -> dict[str, str]:
@@ -277,9 +346,15 @@ def plan_run(options: RunOptions) -> RunPlan:
     else:
         device_info = options.device if isinstance(options.device, DeviceInfo) else detect_device(options.device)
     user = None
+    trainer_args = _trainer_args(options, trainer_ref)
+    space_data = None if isinstance(options.space, SearchSpace) else read_space_data(options.space)
     if trainer_ref is not None:  # the user's factory, called once in a child process: the parent never imports it
-        user, model_spec = _user_trainer_plan(trainer_ref, device_info, trial_timeout_s, ISOLATION_MODES[options.isolation])
+        check_values = {str(k): v if isinstance(v, list) else [v] for k, v in (space_data or (None, {}))[1].items()
+                        if k not in PARAM_NAMES} if space_data else None
+        user, model_spec = _user_trainer_plan(trainer_ref, device_info, trial_timeout_s, ISOLATION_MODES[options.isolation],
+                                              trainer_args, check_values)
         seq_len = user.seq_len
+    objective = _objective(options.objective, user)
     if options.memory_ceiling is None:
         ceiling = int(CEILING_SAFETY_FRACTION * device_info.total_memory_bytes)
     else:
@@ -289,7 +364,13 @@ def plan_run(options: RunOptions) -> RunPlan:
                 f"--memory-ceiling {format_bytes(ceiling)} is above the {format_bytes(device_info.total_memory_bytes)} "
                 f"of {device_info.name}: use at most {format_bytes(device_info.total_memory_bytes)} or a fraction like 0.9"
             )
-    loaded = options.space if isinstance(options.space, SearchSpace) else load_space(options.space)
+    fields, class_name = _config_class_fields(user)
+    if isinstance(options.space, SearchSpace):
+        loaded = options.space
+    else:
+        assert space_data is not None
+        loaded = parse_space(space_data[1], name=space_data[0], source=str(options.space), config_fields=fields, config_class=class_name,
+                             more_problems=user.value_problems if user else ())
     supports_sdpa, supports_flash = (user.supports_sdpa, user.supports_flash) if user else model_attention_support(model_spec)
     restricted = loaded.restrict(
         device_info,
@@ -302,11 +383,15 @@ def plan_run(options: RunOptions) -> RunPlan:
         # Bounded by the device's memory, not the ceiling: a resumed study may change its ceiling, not its space.
         restricted = restricted.with_batches_up_to(
             largest_lean_batch(model_spec, seq_len, device_info.total_memory_bytes, restricted, counts=user.parameters if user else None))
-    baseline = restricted.baseline()
-    if not supports_sdpa:
-        baseline = baseline.replace(attn_implementation="eager")
-    # The baseline is always a point of the space, so Optuna can enqueue it. Its values run
-    # everywhere (fp32, no compile, fused AdamW on CPU and CUDA, sdpa only where supported).
+    if user is not None and user.trainer_args is not None and not user.takes_attn_flag:
+        restricted = _attention_fixed(restricted, user)
+    baseline = _baseline(options.baseline, restricted, user, fields, class_name, supports_sdpa)
+    if not device_info.is_cuda:  # settings that change nothing on the CPU read as the one value the space keeps there
+        baseline = baseline.replace(**{name: PARAM_DEFAULTS[name] for name in NO_EFFECT_ON_CPU})
+    baseline_source = "file" if options.baseline is not None else "user" if user is not None and user.user_config is not None else "defaults"
+    # The baseline is always a point of the space, so Optuna can enqueue it (transformers' defaults run
+    # everywhere: fp32, no compile, fused AdamW on CPU and CUDA, sdpa only where supported; a user's own
+    # settings are theirs to run).
     restricted = restricted.including(baseline)
     dataset_spec = _dataset_spec(options.dataset, options.text_column, options.tokenizer, model_spec)
     lora, counts = _peft_plan(options, model_spec, device_info)
@@ -336,7 +421,10 @@ def plan_run(options: RunOptions) -> RunPlan:
         peft=lora,
         parameters=counts,
         trainer=user,
+        objective=objective,
+        baseline_source=baseline_source,
     )
+    plan = dataclasses.replace(plan, expert=_expert(plan))
     if gpus and not isinstance(plan.storage, str):
         raise UsageError("--gpus starts worker processes, which open the storage by its URL: pass storage as a URL "
                          f"(e.g. {WORKERS_STORAGE}), not an object")
@@ -369,7 +457,103 @@ def _trainer_ref(options: RunOptions) -> Any:
     return options.trainer if isinstance(options.trainer, TrainerRef) else parse_trainer_ref(str(options.trainer))
 
 
-def _user_trainer_plan(ref: Any, device: DeviceInfo, timeout_s: float, mode: IsolationMode) -> tuple[Any, Any]:
+def _trainer_args(options: RunOptions, ref: Any) -> tuple[str, ...] | None:
+    """``--trainer-args`` as a list of strings (a string is split as a shell would), or None without it.
+
+    Raises:
+        UsageError: without ``--trainer``, or a string that does not split (an unclosed quote).
+    """
+    if options.trainer_args is None:
+        return None
+    if ref is None:
+        raise UsageError("--trainer-args are the inputs of your --trainer factory: give --trainer my_train.py:make_trainer too")
+    if isinstance(options.trainer_args, str):
+        try:
+            return tuple(shlex.split(options.trainer_args))
+        except ValueError as exc:
+            raise UsageError(f"--trainer-args {options.trainer_args!r} does not split into arguments ({exc}): close the quote") from None
+    return tuple(str(a) for a in options.trainer_args)
+
+
+def _objective(objective: str | None, user: Any) -> str:
+    """The quantity configurations are ranked by: tokens/s with a user's Trainer (its batches' lengths vary), else samples/s.
+
+    Raises:
+        UsageError: an unknown objective, or tokens where the data cannot say how many tokens a sequence holds.
+    """
+    if objective is None:
+        return "tokens" if user is not None and user.tokens_per_sequence else "samples"
+    if objective not in OBJECTIVES:
+        close = difflib.get_close_matches(objective, OBJECTIVES, n=1)
+        raise UsageError(f"--objective {objective!r}: use tokens (real tokens/s) or samples (sequences/s)"
+                         + (f"; did you mean {close[0]}?" if close else ""))
+    if objective == "tokens" and user is not None and not user.tokens_per_sequence:
+        raise UsageError(f"--objective tokens: the first batch of {user.ref.function}'s Trainer holds no sequence to count tokens in: "
+                         "use --objective samples")
+    return objective
+
+
+def _config_class_fields(user: Any) -> tuple[dict[str, Any], str]:
+    """The fields of the class the training's config is (a user's ``SFTConfig``, else ``TrainingArguments``) and its name."""
+    from autotune.config_fields import FieldKind, training_arguments_fields
+
+    if user is not None and user.fields:
+        return {name: FieldKind.from_dict(kind) for name, kind in user.fields.items()}, user.config_class_name
+    return training_arguments_fields(), "TrainingArguments"
+
+
+def _attention_fixed(space: SearchSpace, user: Any) -> SearchSpace:
+    """A ``make_trainer(argv)`` factory whose parser has no ``--attn_implementation``: its model's kernel is the one it
+    loads, so the space keeps that one, and says why the others went."""
+    kept = user.attn_implementation or "sdpa"
+    reason = (f"the parser of {user.ref.function} has no --attn_implementation (add TRL's ModelConfig, or an "
+              "attn_implementation field, to search the kernel)")
+    dropped = tuple(Dropped("attn_implementation", v, reason) for v in space.choices["attn_implementation"] if v != kept)
+    narrowed = space.with_values("attn_implementation", (kept,))
+    return dataclasses.replace(narrowed, dropped=(*narrowed.dropped, *dropped))
+
+
+def _baseline(given: str | dict[str, Any] | None, space: SearchSpace, user: Any, fields: dict[str, Any], class_name: str,
+              supports_sdpa: bool) -> TrialParams:
+    """What the speed-up is measured against: ``--baseline`` (a file or mapping of config fields) over the user's own
+    settings (a ``make_trainer(argv)`` factory's, as its inputs give them), else over transformers' defaults.
+
+    Raises:
+        UsageError: a baseline file that does not load, or names a field the class does not have or a value it does not take.
+    """
+    from autotune.config_fields import check_config_file, params_from_config, read_config_file
+
+    defaults = {name: fields[name].default for name in space.config_fields if name in fields}
+    base = space.baseline() if supports_sdpa else space.baseline().replace(attn_implementation="eager")
+    values: dict[str, Any] = {}
+    if user is not None and user.user_config is not None:
+        values = dict(user.user_config)
+        if user.attn_implementation:
+            values["attn_implementation"] = user.attn_implementation
+        if space.effective_batch_size:  # the user's batch, with the accumulation the fixed effective batch implies
+            values.pop("gradient_accumulation_steps", None)
+    if given is not None:
+        extra = given if isinstance(given, dict) else read_config_file(given)
+        check_config_file(extra, fields, class_name)
+        values.update(extra)
+    params = params_from_config(values, base, space.config_fields, defaults)
+    if space.effective_batch_size:
+        params = space.with_changes(params)
+    return params
+
+
+def _expert(plan: RunPlan) -> TrialParams:
+    """The expert rule's configuration for the plan (:func:`autotune.search.expert.expert_params`), with its batch
+    from the memory model of the plan's model; the user's other settings (their loader, their own fields) kept."""
+    from autotune.search.expert import expert_params
+    from autotune.search.memory import MemoryModel, ModelDims
+
+    memory = MemoryModel(ModelDims.from_spec(plan.model, counts=plan.parameters), plan.seq_len)
+    return expert_params(plan.space, plan.baseline, memory, plan.memory_ceiling_bytes)
+
+
+def _user_trainer_plan(ref: Any, device: DeviceInfo, timeout_s: float, mode: IsolationMode, trainer_args: tuple[str, ...] | None = None,
+                       check_values: dict[str, list[Any]] | None = None) -> tuple[Any, Any]:
     """The plan-time check of the user's factory, in a child process on the run's device, started as the
     probes are (``mode``; :func:`autotune.probe.trainer_check.inspect_trainer`), and a ModelSpec of the model it
     builds (for the memory model and the study's identity): (UserTrainer, ModelSpec). The check runs with seed 0
@@ -383,7 +567,8 @@ def _user_trainer_plan(ref: Any, device: DeviceInfo, timeout_s: float, mode: Iso
     from autotune.probe.trainer_check import inspect_trainer
 
     user = inspect_trainer(ref, device=f"cuda:{device.index}" if device.is_cuda else "cpu",
-                           device_uuid=device.uuid if device.is_cuda else None, timeout_s=timeout_s, mode=mode)
+                           device_uuid=device.uuid if device.is_cuda else None, timeout_s=timeout_s, mode=mode,
+                           trainer_args=trainer_args, check_values=check_values)
     spec = ModelSpec(name=f"{ref.where}:{ref.function}", source="trainer", config=user.config)
     try:
         for prop in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size"):
@@ -524,6 +709,9 @@ def plan_evaluator(plan: RunPlan) -> Evaluator:
         peft=plan.peft.to_dict() if plan.peft else None,
         trainer=plan.trainer.ref.reference if plan.trainer else None,
         trainer_sys_path=plan.trainer.ref.sys_path if plan.trainer else None,
+        trainer_args=plan.trainer.trainer_args if plan.trainer else None,
+        trainer_attn_flag=bool(plan.trainer and plan.trainer.takes_attn_flag),
+        objective_tokens_per_sample=plan.tokens_per_sample,
     )
 
 
@@ -566,7 +754,7 @@ def execute(
 
     try:
         outcome = run_search(
-            study, plan.space, evaluator, settings, baseline=plan.baseline, on_trial=on_trial, on_start=started,
+            study, plan.space, evaluator, settings, baseline=plan.baseline, expert=plan.expert, on_trial=on_trial, on_start=started,
             strategy=make_strategy(plan.strategy), memory=memory, started_s=started_s,
         )
     finally:

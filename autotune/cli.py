@@ -27,8 +27,10 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
         ("autotune run --space quick --n-trials 10", "a quick look with the small built-in space"),
         ("autotune run --model ./my-model --dataset train.jsonl --text-column text", "probe on real data (tokenised in the workers)"),
         ("autotune run --model polyglot-ko-1.3b --gpus 0,1,2,3 --budget 30m", "one worker per GPU, one search (a journal file study)"),
-        ("autotune run --trainer my_train.py:make_trainer --budget 30m",
-         "tune your own training: make_trainer(args, attn_implementation) returns your Trainer (SFTTrainer too)"),
+        ("autotune run --trainer sft.py:make_trainer --trainer-args \"--model_name_or_path my-model --use_peft\" --budget 30m",
+         "tune your own TRL/Trainer script: make_trainer(argv) parses its inputs and returns its Trainer"),
+        ("autotune run --trainer sft.py:make_trainer --trainer-args \"--config sft.yaml\" --space my_space.yaml",
+         "search SFTConfig fields too (packing: [true, false] in the space), against your own settings"),
     ],
     "estimate": [
         ("autotune estimate --model polyglot-ko-1.3b --seq-len 1024", "predicted peak memory and largest batch, on an 80 GiB card"),
@@ -82,9 +84,18 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--model", default=None, help=f"built-in name, hub id or local dir (default: {DEFAULT_MODEL})")
     p.add_argument("--trainer", default=None,
-                   help="your own training instead of --model: FILE.py:FUNC or package.module:FUNC, a function "
-                   "FUNC(args, attn_implementation) that returns your transformers.Trainer (any subclass, e.g. TRL's SFTTrainer) "
-                   "built with those TrainingArguments; its model, data and sequence length are what is tuned")
+                   help="your own training instead of --model: FILE.py:FUNC or package.module:FUNC, a function FUNC(argv) "
+                   "that parses argv with your parser (HfArgumentParser, TrlParser) and returns your transformers.Trainer "
+                   "(any subclass, e.g. TRL's SFTTrainer); or FUNC(args, attn_implementation), given TrainingArguments")
+    p.add_argument("--trainer-args", default=None,
+                   help="the inputs of FUNC(argv), as you would pass them to your script, in one quoted string: "
+                   "\"--model_name_or_path m --lora_r 64\" or \"--config sft.yaml\"; your settings in them are the baseline")
+    p.add_argument("--baseline", default=None,
+                   help="a JSON or YAML file of the settings you run today ({\"per_device_train_batch_size\": 16, \"bf16\": true}): "
+                   "the speed-up is measured against them (default: your factory's own settings, else transformers' defaults)")
+    p.add_argument("--objective", default=None, choices=None,
+                   help="rank by tokens (real, non-padding tokens/s) or samples (sequences/s) "
+                   "(default: tokens with --trainer, whose batches' lengths vary; samples otherwise)")
     p.add_argument("--budget", default="30m", help="wall time of the whole run: 90s, 30m, 2h (default: 30m)")
     p.add_argument("--n-trials", type=int, default=None, help="at most this many exploring probes (near-tie re-measures come on top)")
     p.add_argument("--space", default="default", help="built-in space name or YAML path (default: default)")

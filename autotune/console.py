@@ -13,9 +13,9 @@ from rich.progress import BarColumn, Progress, ProgressColumn, SpinnerColumn, Te
 from rich.table import Table
 from rich.text import Text
 
-from autotune.params import PARAM_NAMES, TrialParams
+from autotune.params import TrialParams
 from autotune.records import ProbeStatus
-from autotune.results import TuneResult
+from autotune.results import TuneResult, row_params
 from autotune.search.loop import TrialRecord
 from autotune.storage import describe as describe_storage
 from autotune.units import format_bytes, format_duration
@@ -164,10 +164,10 @@ def ranked_table(result: TuneResult, top: int = 10, *, width: int | None = None)
     base_sps = result.baseline_samples_per_s
     figures = []
     for rank, row in ranked.iterrows():
-        params = TrialParams.from_dict({k: row[k] for k in PARAM_NAMES})
+        params = row_params(row)
         figures.append({
             "#": str(rank + 1),
-            "trial": f"{int(row['trial'])}" + (" (baseline)" if row["is_baseline"] else ""),
+            "trial": f"{int(row['trial'])}" + (" (baseline)" if row["is_baseline"] else " (expert)" if row.get("role") == "expert" else ""),
             "batch x accum": f"{params.per_device_train_batch_size} x {params.gradient_accumulation_steps}",
             "precision": params.precision,
             "optim": params.optim,
@@ -237,10 +237,12 @@ def print_summary(console: Console, result: TuneResult, *, dropped: tuple[Any, .
     best = result.best
     if best is not None:
         params = TrialParams.from_dict(result.best_params or {})
-        speedup = f", {result.speedup:.2f}x the transformers defaults" if result.speedup else ""
+        speedups = result.speedups_line()
+        speed = (f"{best['tokens_per_s']:,.0f} tokens/s" if result.objective == "tokens" and best.get("tokens_per_s")
+                 else f"{best['samples_per_s']:,.1f} samples/s")
         console.print(
-            f"[bold green]Best:[/] {params.short()} - {best['samples_per_s']:,.1f} samples/s, "
-            f"peak {format_bytes(best['peak_mem_bytes'])}{speedup}.",
+            f"[bold green]Best:[/] {params.short()} - {speed}, "
+            f"peak {format_bytes(best['peak_mem_bytes'])}{', ' + speedups if speedups else ''}.",
             highlight=False,
         )
         for warning in measurement_warnings(best):

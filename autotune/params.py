@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -61,6 +61,10 @@ class TrialParams:
     dataloader_pin_memory: bool = True
     dataloader_persistent_workers: bool = False  # only with workers (WORKER_ONLY_PARAMS)
     dataloader_prefetch_factor: int | None = None  # batches loaded ahead per worker; None: torch's 2 (only with workers)
+    # Fields of the user's own config class that the space searches beyond the dimensions above (TRL's
+    # ``packing``, ``padding_free``...), as sorted (name, value) pairs: read as attributes
+    # (``params.packing``), flattened into to_dict() and the Optuna parameters, part of key().
+    extra: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         # One form per configuration: integers read back from data frames (numpy scalars, floats with
@@ -76,6 +80,21 @@ class TrialParams:
                 value = PARAM_DEFAULTS[name]
             if value is not getattr(self, name):
                 object.__setattr__(self, name, value)
+        extra = self.extra.items() if isinstance(self.extra, Mapping) else self.extra
+        normal = tuple(sorted((str(k), v.item() if hasattr(v, "item") else v) for k, v in extra))
+        if normal != self.extra:
+            object.__setattr__(self, "extra", normal)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called for names that are not fields: the user-config fields in ``extra``.
+        try:
+            extra = object.__getattribute__(self, "extra")
+        except AttributeError:
+            raise AttributeError(name) from None
+        for key, value in extra:
+            if key == name:
+                return value
+        raise AttributeError(f"TrialParams has no parameter {name!r}")
 
     @property
     def effective_batch_size(self) -> int:
@@ -83,19 +102,41 @@ class TrialParams:
         return self.per_device_train_batch_size * self.gradient_accumulation_steps
 
     def key(self) -> tuple[Any, ...]:
-        """The configuration as a hashable tuple, in :data:`PARAM_NAMES` order: equal keys, same configuration."""
-        return tuple(getattr(self, name) for name in PARAM_NAMES)
-
-    def replace(self, **changes: Any) -> TrialParams:
-        return dataclasses.replace(self, **changes)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The configuration as a hashable tuple, in :data:`PARAM_NAMES` order, then ``extra``: equal keys, same configuration."""
+        return (*(getattr(self, name) for name in PARAM_NAMES), self.extra)
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> TrialParams:
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in values.items() if k in names})
+    def from_key(cls, key: tuple[Any, ...]) -> TrialParams:
+        """The configuration of a :meth:`key`."""
+        return cls(**dict(zip(PARAM_NAMES, key)), extra=key[len(PARAM_NAMES)] if len(key) > len(PARAM_NAMES) else ())
+
+    def replace(self, **changes: Any) -> TrialParams:
+        """A copy with some parameters changed (user-config fields by their own names too)."""
+        return TrialParams.from_flat({**self.flat(), **changes}, {*dict(self.extra), *(k for k in changes if k not in PARAM_NAMES)})
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every parameter by name; the user-config fields, if any, as a mapping under ``"extra"`` (left out when
+        there are none, so stored configurations and tables from before them read unchanged)."""
+        data = {name: getattr(self, name) for name in PARAM_NAMES}
+        if self.extra:
+            data["extra"] = dict(self.extra)
+        return data
+
+    def flat(self) -> dict[str, Any]:
+        """Every parameter by name, the user-config fields among them (Optuna parameters, table columns)."""
+        return {**{name: getattr(self, name) for name in PARAM_NAMES}, **dict(self.extra)}
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> TrialParams:
+        """The inverse of :meth:`to_dict` (other keys are ignored)."""
+        extra = values.get("extra") or {}
+        return cls(**{k: v for k, v in values.items() if k in PARAM_NAMES}, extra=tuple(dict(extra).items()))
+
+    @classmethod
+    def from_flat(cls, values: Mapping[str, Any], extra_names: Iterable[str] = ()) -> TrialParams:
+        """The inverse of :meth:`flat`, given the names of the user-config fields (other keys are ignored)."""
+        return cls(**{k: v for k, v in values.items() if k in PARAM_NAMES},
+                   extra=tuple((k, values[k]) for k in extra_names if k in values))
 
     def training_arguments_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``TrainingArguments`` (``attn_implementation`` excluded)."""
@@ -122,6 +163,7 @@ class TrialParams:
         for name in KNOBS_ADDED_LATER:
             if getattr(self, name) != PARAM_DEFAULTS[name]:
                 kwargs[name] = getattr(self, name)
+        kwargs.update(self.extra)  # the user's own config fields, by their own names
         return kwargs
 
     def short(self) -> str:
@@ -157,10 +199,16 @@ class TrialParams:
             parts.append(f"empty-cache/{self.torch_empty_cache_steps}")
         if self.use_liger_kernel:
             parts.append("liger")
+        parts.extend(f"{name}={_short_value(value)}" for name, value in self.extra)
         return " ".join(parts)
 
 
-PARAM_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(TrialParams))
+def _short_value(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) or value is None else str(value)
+
+
+# The built-in dimensions (the user-config fields of ``extra`` come on top, by their own names).
+PARAM_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(TrialParams) if f.name != "extra")
 # Dimensions added after studies, replay tables and exports existed: where one is missing it reads as
 # its default (a replay table without the column, a stored space or trial from before it), and a space
 # holding it at its default alone stores it no more, so such studies resume under the same name.
@@ -169,7 +217,7 @@ KNOBS_ADDED_LATER: tuple[str, ...] = (
     "dataloader_prefetch_factor",
 )
 # Each parameter's default (transformers' own): what a missing key, column or stored value reads as. Read-only.
-PARAM_DEFAULTS: Mapping[str, Any] = MappingProxyType({f.name: f.default for f in dataclasses.fields(TrialParams)})
+PARAM_DEFAULTS: Mapping[str, Any] = MappingProxyType({f.name: f.default for f in dataclasses.fields(TrialParams) if f.name != "extra"})
 
 
 def mixed_precision_dtype(precision: str) -> str | None:

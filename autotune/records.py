@@ -81,6 +81,15 @@ class ProbeSpec:
     # it builds the model, data and Trainer (autotune.probe.user_trainer). None: the built-in model on synthetic or --dataset data.
     trainer: str | None = None
     trainer_sys_path: str | None = None  # for a module reference: the folder put first on sys.path (the user's directory)
+    # The factory's own command-line inputs (``--trainer-args``), for a factory ``make_trainer(argv)``: it is called with
+    # these, then the probe's and the trial's settings as flags. None: a factory ``make_trainer(args, attn_implementation)``.
+    trainer_args: tuple[str, ...] | None = None
+    trainer_attn_flag: bool = False  # the factory's parser takes --attn_implementation: the trial's kernel goes there
+    # Rank by tokens: samples_per_s is tokens_per_s over this (the data's mean real tokens per sequence, from the
+    # plan-time check), so configurations that change what a batch holds (packing) compare by the tokens they train.
+    objective_tokens_per_sample: float | None = None
+    # The plan-time check only: user-config fields of the space and their values, each tried on the user's config class.
+    check_values: dict[str, list[Any]] | None = None
 
     def to_json(self) -> str:
         data = dataclasses.asdict(self)
@@ -91,6 +100,8 @@ class ProbeSpec:
     def from_json(cls, text: str) -> ProbeSpec:
         data = json.loads(text)
         data["params"] = TrialParams.from_dict(data["params"])
+        if data.get("trainer_args") is not None:
+            data["trainer_args"] = tuple(data["trainer_args"])
         return cls(**data)
 
 

@@ -96,11 +96,15 @@ def trials_frame(study: optuna.Study, memory_ceiling_bytes: int | None, *, inclu
             "state": state,
             "status": attrs.get(ATTR_STATUS, "running" if state == "running" else state),
             "is_baseline": studies.is_baseline(trial),
+            "role": attrs.get(studies.ATTR_ROLE),
             "duplicate_of": attrs.get(ATTR_DUPLICATE_OF),
             "remeasure_of": attrs.get(ATTR_REMEASURE_OF),
         }
         for name in PARAM_NAMES:
             row[name] = params.get(name, trial.params.get(name))
+        extra = params.get("extra") or {}  # the user's own config fields the space searched
+        row["extra"] = tuple(sorted(extra.items()))
+        row.update(extra)
         bs, accum = row["per_device_train_batch_size"], row["gradient_accumulation_steps"]
         row["effective_batch_size"] = bs * accum if bs is not None and accum is not None else None
         for name in RESULT_COLUMNS:
@@ -113,8 +117,10 @@ def trials_frame(study: optuna.Study, memory_ceiling_bytes: int | None, *, inclu
         row["finished_at"] = trial.datetime_complete
         rows.append(row)
     _add_loss_drift(rows)
+    extra_names = sorted({name for row in rows for name, _ in row["extra"]})
     columns = [
-        "trial", "state", "status", "is_baseline", "duplicate_of", "remeasure_of", *PARAM_NAMES, "effective_batch_size",
+        "trial", "state", "status", "is_baseline", "role", "duplicate_of", "remeasure_of", *PARAM_NAMES, "extra", *extra_names,
+        "effective_batch_size",
         *RESULT_COLUMNS, "loss_drift", "numerics_flag", "predicted_peak_mem_bytes", "feasible", "reason", "losses",
         "started_at", "finished_at",
     ]
@@ -165,7 +171,7 @@ def _frame_probes(trials: pd.DataFrame) -> list[Probe]:
     ran = trials[trials["duplicate_of"].isna() & trials["status"].isin(ProbeStatus.values(ran=True))]
     probes = []
     for row in ran.to_dict("records"):
-        params = TrialParams.from_dict({name: _py(row[name]) for name in PARAM_NAMES})
+        params = row_params(row)
         result = ProbeResult.from_dict({k: _py(row[k]) for k in ("status", "samples_per_s", "peak_mem_bytes", "step_time_ci95_rel", "wall_s")})
         probes.append(Probe(int(row["trial"]), params, result))
     return probes
@@ -197,9 +203,9 @@ def configurations_frame(trials: pd.DataFrame, memory_ceiling_bytes: int | None)
     rank_of = {c.params.key(): i + 1 for i, c in enumerate(ranked)}
     unstable = {c.params.key() for c in ranked if c.unstable}
     groups: dict[tuple[Any, ...], list[int]] = {}
-    for position, record in enumerate(frame[list(PARAM_NAMES)].to_dict("records")):
+    for position, record in enumerate(frame[[*PARAM_NAMES, "extra"]].to_dict("records")):
         try:
-            key = TrialParams.from_dict({k: _py(v) for k, v in record.items() if _py(v) is not None}).key()
+            key = row_params(record).key()
         except (TypeError, ValueError):  # a trial asked before its parameters were stored
             key = ("trial", position)
         groups.setdefault(key, []).append(position)
@@ -291,31 +297,68 @@ class TuneResult:
         best = self.best
         if best is None:
             return None
-        return TrialParams.from_dict({name: _py(best[name]) for name in PARAM_NAMES}).to_dict()
+        return row_params(best).to_dict()
 
     @property
     def baseline(self) -> dict[str, Any] | None:
-        """The baseline trial's row (transformers' defaults), or None if it has not run."""
-        rows = self.trials[self.trials["is_baseline"]]
+        """The baseline trial's row (the user's settings, ``--baseline``, or transformers' defaults), or None if it has not run."""
+        return self.reference("baseline")
+
+    def reference(self, role: str) -> dict[str, Any] | None:
+        """The row of the first trial of a reference role (``baseline``, ``expert``), or None if none ran."""
+        if role == "baseline":
+            rows = self.trials[self.trials["is_baseline"]]
+        else:
+            rows = self.trials[self.trials["role"] == role] if "role" in self.trials.columns else self.trials.iloc[0:0]
         return None if rows.empty else {k: _py(v) for k, v in rows.iloc[0].to_dict().items()}
+
+    def reference_samples_per_s(self, role: str) -> float | None:
+        """A reference configuration's samples/s, averaged like :meth:`ranked` (None if it did not run or fit)."""
+        row = self.reference(role)
+        if row is None:
+            return None
+        ranked = self.ranked()
+        matches = ranked[same_params(ranked, row)]
+        return None if matches.empty else float(matches.iloc[0]["samples_per_s"])
 
     @property
     def baseline_samples_per_s(self) -> float | None:
         """The baseline configuration's samples/s, averaged like :meth:`ranked` (None if it did not fit)."""
-        baseline = self.baseline
-        if baseline is None:
-            return None
-        ranked = self.ranked()
-        matches = ranked[same_params(ranked, baseline)]
-        return None if matches.empty else float(matches.iloc[0]["samples_per_s"])
+        return self.reference_samples_per_s("baseline")
 
     @property
     def speedup(self) -> float | None:
         """Best samples/s over the baseline's (both averaged over their probes), when both ran and fit."""
-        best, base = self.best, self.baseline_samples_per_s
+        return self.speedup_over("baseline")
+
+    def speedup_over(self, role: str) -> float | None:
+        """Best over a reference (``baseline``, ``expert``), both measured in this study, when both ran and fit."""
+        best, base = self.best, self.reference_samples_per_s(role)
         if best is None or not base:
             return None
         return float(best["samples_per_s"]) / base
+
+    @property
+    def baseline_label(self) -> str:
+        """What the baseline is, for a sentence: ``your settings``, ``your --baseline``, ``transformers' defaults``."""
+        return {"user": "your settings", "file": "your --baseline"}.get(str(self.settings.get("baseline_source")), "transformers' defaults")
+
+    @property
+    def objective(self) -> str:
+        """What configurations are ranked by: ``tokens`` (samples/s is tokens/s over the data's tokens per sequence) or ``samples``."""
+        return str(self.settings.get("objective") or "samples")
+
+    def speedups_line(self) -> str:
+        """``1.49x your settings, 1.02x the expert rule``: the best against every reference this study measured."""
+        parts = []
+        for role, label in (("baseline", self.baseline_label), ("expert", "the expert rule")):
+            value = self.speedup_over(role)
+            if value is not None:
+                parts.append(f"{value:.2f}x {label}")
+            elif self.reference(role) is not None:
+                row = self.reference(role) or {}
+                parts.append(f"{label}: {row.get('status')}")
+        return ", ".join(parts)
 
     def busy_probes(self) -> int:
         """Probes that ran while something else used the device (see :mod:`autotune.probe.interference`)."""
@@ -331,36 +374,54 @@ class TuneResult:
     # ------------------------------------------------------------------ outputs
 
     def best_kwargs(self) -> dict[str, Any]:
-        """``TrainingArguments`` keyword arguments of the best configuration, plus ``attn_implementation``.
+        """Keyword arguments of the best configuration for the user's config class (``TrainingArguments``, or the
+        ``SFTConfig`` their factory parses), plus ``attn_implementation`` (a model-loading setting, not a config field).
+
+        For a ``make_trainer(argv)`` factory these are the user's own settings (as their inputs gave them) with the
+        tuned fields on top, so ``SFTConfig(**kwargs)`` is the configuration that was measured.
 
         Raises:
             NothingFits: if no configuration fit under the memory ceiling.
             NoResult: if no probe finished at all (the budget ended first, or every probe failed).
         """
+        from autotune.config_fields import PROBE_FIELDS, config_overrides
+
         params = self.best_params
         if params is None:
             raise no_result_error(self)
         trial_params = TrialParams.from_dict(params)
-        kwargs = trial_params.training_arguments_kwargs()
+        own = self.settings.get("user_config")
+        if own is not None:  # the user's own config, the tuned fields on top
+            kwargs = {k: v for k, v in own.items() if k not in PROBE_FIELDS}
+            kwargs.update(config_overrides(trial_params))
+        else:
+            kwargs = trial_params.training_arguments_kwargs()
         if self.settings.get("device", {}).get("kind") == "cpu":
             kwargs["use_cpu"] = True  # measured on the CPU: the Trainer must not look for a GPU
         return {**kwargs, "attn_implementation": trial_params.attn_implementation}
 
+    @property
+    def config_class(self) -> str:
+        """The class the configuration is for, ``module.Class`` (``transformers.training_args.TrainingArguments`` for a --model run)."""
+        return str(self.settings.get("config_class") or "transformers.training_args.TrainingArguments")
+
     def best_training_arguments(self, output_dir: str = "trainer_output", **overrides: Any) -> Any:
-        """A real ``transformers.TrainingArguments`` for the best configuration.
+        """The best configuration as an instance of the user's config class (``TrainingArguments``, TRL's ``SFTConfig``...).
 
         Args:
             output_dir: where the user's Trainer will write checkpoints.
-            **overrides: any other TrainingArguments fields (learning rate, epochs...).
+            **overrides: any other fields (learning rate, epochs...).
 
         Raises:
             NothingFits: if no configuration fit under the memory ceiling.
         """
-        from transformers import TrainingArguments
+        import importlib
 
+        module, _, name = self.config_class.rpartition(".")
+        config_class = getattr(importlib.import_module(module), name)
         kwargs = self.best_kwargs()
         kwargs.pop("attn_implementation")
-        return TrainingArguments(output_dir=output_dir, **{**kwargs, **overrides})
+        return config_class(output_dir=output_dir, **{**kwargs, **overrides})
 
     def peft_note(self) -> str | None:
         """What the probes wrapped the model in (LoRA adapters), as one line naming the ``peft`` call
@@ -372,18 +433,42 @@ class TuneResult:
         return note(LoraSettings.from_dict(self.settings["peft"]), self.settings.get("parameters"))
 
     def best_json(self) -> dict[str, Any]:
-        """best.json: :meth:`best_kwargs`, plus ``autotune_note`` (a :class:`ModelLoadingArguments` field)
-        for a LoRA study, since TrainingArguments has no LoRA field."""
+        """best.json: fields of the user's config class only (``TrainingArguments(**best)``, ``SFTConfig(**best)``,
+        ``trl sft --config best.json`` load it); the model-loading half is :meth:`model_json`."""
         kwargs = self.best_kwargs()
+        kwargs.pop("attn_implementation")
+        return kwargs
+
+    def model_json(self) -> dict[str, Any]:
+        """best.model.json: what loading the model takes (:class:`ModelLoadingArguments`): ``attn_implementation``,
+        and ``autotune_note`` for a LoRA study (the adapters the probes trained)."""
+        loading: dict[str, Any] = {"attn_implementation": self.best_kwargs()["attn_implementation"]}
         peft_note = self.peft_note()
-        return {**kwargs, "autotune_note": peft_note} if peft_note else kwargs
+        return {**loading, "autotune_note": peft_note} if peft_note else loading
 
     def write_best_json(self, path: str | Path) -> Path:
-        """Write the best configuration as JSON that ``HfArgumentParser`` reads (see README)."""
+        """Write best.json (the config class's fields) and, beside it, ``<stem>.model.json`` (:meth:`model_json`)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.best_json(), indent=2) + "\n", encoding="utf-8")
+        _write_atomically(path, json.dumps(self.best_json(), indent=2) + "\n")
+        _write_atomically(model_json_path(path), json.dumps(self.model_json(), indent=2) + "\n")
         return path
+
+
+def model_json_path(best_json: str | Path) -> Path:
+    """``best.json`` -> ``best.model.json``: where the model-loading settings go beside it."""
+    path = Path(best_json)
+    return path.with_name(f"{path.stem}.model.json")
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """The whole file or the old one: written beside it, then renamed over it (a full disk leaves no empty file)."""
+    partial = path.with_name(f".{path.name}.partial")
+    try:
+        partial.write_text(text, encoding="utf-8")
+        partial.replace(path)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def no_result_error(result: TuneResult) -> NothingFits | NoResult:
@@ -445,13 +530,28 @@ def _memory_advice(result: TuneResult, package_available: Any) -> list[str]:
 
 
 def same_params(frame: pd.DataFrame, params: dict[str, Any], names: tuple[str, ...] = PARAM_NAMES) -> pd.Series:
-    """Rows of ``frame`` whose parameters ``names`` equal ``params``' (None equals a missing value:
-    ``torch_empty_cache_steps`` and ``dataloader_prefetch_factor`` are None at their defaults)."""
+    """Rows of ``frame`` whose parameters ``names`` (and user-config fields) equal ``params``' (None equals a missing
+    value: ``torch_empty_cache_steps`` and ``dataloader_prefetch_factor`` are None at their defaults). ``params``: a
+    frame row, or :meth:`TrialParams.to_dict`."""
     mask = pd.Series(True, index=frame.index)
     for name in names:
         want = _py(params.get(name))
         mask &= pd.Series([_py(v) == want for v in frame[name]], index=frame.index, dtype=bool)
+    if "extra" in frame.columns:
+        extra = params.get("extra")
+        want_extra = tuple(sorted(extra.items())) if isinstance(extra, dict) else tuple(extra or ())
+        mask &= pd.Series([tuple(v or ()) == want_extra for v in frame["extra"]], index=frame.index, dtype=bool)
     return mask
+
+
+def row_params(row: Any) -> TrialParams:
+    """The configuration of a trials or configurations frame row (a Series, a dict, an ``itertuples`` row)."""
+    if hasattr(row, "_asdict"):
+        row = row._asdict()
+    values = {name: _py(row.get(name)) for name in PARAM_NAMES}
+    extra = row.get("extra")
+    return TrialParams.from_dict({**{k: v for k, v in values.items() if v is not None},
+                                  "extra": dict(extra) if isinstance(extra, (tuple, list)) else {}})
 
 
 def nothing_fits_message(result: TuneResult) -> str:
@@ -534,19 +634,16 @@ def list_studies(storage: Any) -> list[StudyRow]:
 
 def short_config(row: Any) -> str:
     """``bs8x1 fp32 adamw_torch_fused sdpa`` for a frame row, an ``itertuples`` row or a dict."""
-    if hasattr(row, "_asdict"):
-        row = row._asdict()
-    values = {name: _py(row.get(name)) for name in PARAM_NAMES}
-    values = {k: v for k, v in values.items() if v is not None}
     try:
-        return TrialParams.from_dict(values).short()
+        return row_params(row).short()
     except (TypeError, ValueError):
         return "-"
 
 
 @dataclass
 class ModelLoadingArguments:
-    """The model-loading half of ``best.json``, for ``HfArgumentParser((TrainingArguments, ModelLoadingArguments))``."""
+    """``best.model.json``, the model-loading half of the result, for ``HfArgumentParser(ModelLoadingArguments)``
+    (best.json holds the config class's fields)."""
 
     attn_implementation: str = field(default="sdpa", metadata={"help": "from_pretrained(attn_implementation=...)"})
     autotune_note: str | None = field(default=None, metadata={"help": "what else the configuration was measured with (LoRA adapters)"})

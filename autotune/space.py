@@ -57,7 +57,7 @@ _OPTIM_PACKAGES = {
 _CUDA_ONLY_OPTIM_MARKERS = ("bnb", "8bit", "paged_", "lion_", "4bit", "ademamix")
 # Settings that change nothing on the CPU: transformers turns pinned memory off there, and
 # torch_empty_cache_steps empties a CUDA cache. Values other than the default are dropped there.
-_NO_EFFECT_ON_CPU = {
+NO_EFFECT_ON_CPU = {
     "dataloader_pin_memory": "no effect on the CPU (transformers turns pinned memory off there)",
     "torch_empty_cache_steps": "no effect on the CPU (it empties the CUDA caching allocator)",
 }
@@ -123,11 +123,16 @@ class SearchSpace:
         derived = self.accumulation_for(values["per_device_train_batch_size"]) if self.effective_batch_size else None
         if derived is not None:
             values["gradient_accumulation_steps"] = derived
-        return TrialParams.from_dict(values)
+        return TrialParams.from_flat(values, self.config_fields)
+
+    @property
+    def config_fields(self) -> tuple[str, ...]:
+        """The user-config fields the space searches beyond the built-in dimensions (``TrialParams.extra``)."""
+        return tuple(n for n in self.choices if n not in PARAM_NAMES)
 
     def with_changes(self, params: TrialParams, **changes: Any) -> TrialParams:
         """``params`` with some values changed, accumulation re-derived if the effective batch size is fixed."""
-        return self.complete({**params.to_dict(), **changes})
+        return self.complete({**params.flat(), **changes})
 
     def suggest(self, trial: Any) -> TrialParams:
         """Ask an Optuna trial for one value per free parameter."""
@@ -139,7 +144,7 @@ class SearchSpace:
         A worker-only setting of a point without workers is held at its default, which the space
         may not list: it is given as the space's first value, which :meth:`suggest` maps back.
         """
-        values = params.to_dict()
+        values = params.flat()
         inert = WORKER_ONLY_PARAMS if not params.dataloader_num_workers else ()
         return {
             name: self.choices[name][0] if name in inert and values[name] not in self.choices[name] else values[name]
@@ -157,8 +162,8 @@ class SearchSpace:
     def contains(self, params: TrialParams) -> bool:
         if self.effective_batch_size and params.effective_batch_size != self.effective_batch_size:
             return False
-        values = params.to_dict()
-        return all(values[name] in self.choices[name] for name in self.free_params)
+        values = params.flat()
+        return all(name in values and values[name] in self.choices[name] for name in self.free_params)
 
     def baseline(self) -> TrialParams:
         """transformers' defaults in this space (under a fixed effective batch size, the largest
@@ -255,13 +260,13 @@ class SearchSpace:
             default = defaults.get(name)
             for value in values:
                 reason = _unrunnable_reason(name, value, device, model_supports_sdpa, model_supports_flash, model_type)
-                if reason is None and name in _NO_EFFECT_ON_CPU and not device.is_cuda and value != default:
-                    reason = _NO_EFFECT_ON_CPU[name]
+                if reason is None and name in NO_EFFECT_ON_CPU and not device.is_cuda and value != default:
+                    reason = NO_EFFECT_ON_CPU[name]
                 if reason:
                     dropped.append(Dropped(name, value, reason))
                 else:
                     kept.append(value)
-            if not kept and name in _NO_EFFECT_ON_CPU and not device.is_cuda:
+            if not kept and name in NO_EFFECT_ON_CPU and not device.is_cuda:
                 kept.append(default)  # the same run as every dropped value here
             if not kept:
                 reasons = "; ".join(str(d) for d in dropped if d.param == name)
@@ -376,11 +381,25 @@ def builtin_space_names() -> list[str]:
     return sorted(p.name[: -len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml"))
 
 
-def load_space(name_or_path: str) -> SearchSpace:
+def load_space(name_or_path: str, *, config_fields: dict[str, Any] | None = None, config_class: str = "TrainingArguments") -> SearchSpace:
     """Load a built-in space by name (``default``, ``quick``) or a YAML file by path.
+
+    ``config_fields``: the fields of the config class the training runs with
+    (:func:`autotune.config_fields.describe_fields`): a key that is not one of autotune's dimensions is
+    searched as that field where the class has it; None: only autotune's dimensions.
 
     Raises:
         SearchSpaceError: if the file is missing or has any invalid entry (all listed at once).
+    """
+    name, data = read_space_data(name_or_path)
+    return parse_space(data, name=name, source=name_or_path, config_fields=config_fields, config_class=config_class)
+
+
+def read_space_data(name_or_path: str) -> tuple[str, Any]:
+    """The space's name and its YAML, parsed but not checked (:func:`parse_space` checks it).
+
+    Raises:
+        SearchSpaceError: a missing file or built-in name, or YAML that does not parse.
     """
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml") or path.exists() or "/" in name_or_path:
@@ -396,22 +415,33 @@ def load_space(name_or_path: str) -> SearchSpace:
             raise SearchSpaceError(f"unknown search space {name_or_path!r}: {hint}use one of {', '.join(names)} or a path to a YAML file")
         text, name = resource.read_text(encoding="utf-8"), name_or_path
     try:
-        data = yaml.safe_load(text)
+        return name, yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise SearchSpaceError(f"{name_or_path}: not valid YAML ({str(exc).splitlines()[0]}): fix the syntax") from None
-    return parse_space(data, name=name, source=name_or_path)
 
 
-def parse_space(data: Any, *, name: str = "custom", source: str = "<space>") -> SearchSpace:
-    """Validate a parsed YAML mapping into a :class:`SearchSpace`, reporting every problem at once."""
+def parse_space(data: Any, *, name: str = "custom", source: str = "<space>", config_fields: dict[str, Any] | None = None,
+                config_class: str = "TrainingArguments", more_problems: tuple[str, ...] = ()) -> SearchSpace:
+    """Validate a parsed YAML mapping into a :class:`SearchSpace`, reporting every problem at once (see
+    :func:`load_space` for ``config_fields``)."""
     if not isinstance(data, dict):
         raise SearchSpaceError(f"{source}: expected a mapping of parameter -> list of values, e.g. 'precision: [fp32, bf16]'")
-    problems: list[str] = []
+    problems: list[str] = list(more_problems)  # e.g. values the user's config class refused in the plan-time check
     defaults = PARAM_DEFAULTS
     choices: dict[str, tuple[Any, ...]] = {}
     grow_batches_by: int | None = None
     for key in data:
-        if key not in PARAM_NAMES:
+        if key not in PARAM_NAMES and config_fields is not None:
+            from autotune.config_fields import check_config_values
+
+            raw_values = data[key] if isinstance(data[key], list) else [data[key]]
+            found = check_config_values(str(key), tuple(raw_values), config_fields, config_class)
+            if not raw_values:
+                found.append(f"{key}: empty list, give at least one value")
+            problems.extend(found)
+            if not found:
+                choices[str(key)] = tuple(dict.fromkeys(raw_values))
+        elif key not in PARAM_NAMES:
             close = difflib.get_close_matches(str(key), PARAM_NAMES, n=1, cutoff=0.4)
             close = close or [name for name in PARAM_NAMES if str(key).lower() in name][:1]
             problems.append(f"{key}: unknown parameter" + (f" (did you mean {close[0]}?)" if close else ""))

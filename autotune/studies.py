@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import fcntl
+import json
 import os
 import socket
 import threading
@@ -223,7 +224,12 @@ def open_or_create(
 def mismatch(existing: dict[str, Any], settings: dict[str, Any], must_match: Sequence[str]) -> str | None:
     """Why a study with ``existing`` settings cannot take a run with ``settings`` (None: it can resume)."""
     for key in must_match:
-        if existing.get(key) != settings.get(key):
+        before, now = existing.get(key), settings.get(key)
+        if before != now:
+            if isinstance(before, dict) and isinstance(now, dict):  # name the part that differs (the trainer's inputs, ...)
+                parts = [k for k in sorted({*before, *now}) if before.get(k) != now.get(k)]
+                detail = "; ".join(f"{k}: {_brief(before.get(k))} then, {_brief(now.get(k))} now" for k in parts[:2])
+                return f"was made with a different {key.replace('_sha1', '')} ({detail})"
             return f"was made with a different {key.replace('_sha1', '')}"
     before, now = existing.get("device") or {}, settings.get("device") or {}
     if before.get("name") != now.get("name"):
@@ -232,6 +238,11 @@ def mismatch(existing: dict[str, Any], settings: dict[str, Any], must_match: Seq
     if before.get("kind") == "cuda" and memory_before and memory_now and memory_before != memory_now:
         return f"was measured on a {memory_before / 2**30:.1f} GiB {before.get('name')}, not a {memory_now / 2**30:.1f} GiB one"
     return None
+
+
+def _brief(value: Any, chars: int = 80) -> str:
+    text = " ".join(value) if isinstance(value, list) and all(isinstance(v, str) for v in value) else json.dumps(value, default=str)
+    return text if len(text) <= chars else text[: chars - 3] + "..."
 
 
 def existing_settings(storage: Any, study_name: str) -> dict[str, Any] | None:

@@ -101,12 +101,14 @@ def options_for_worker(
     dataset = settings.get("dataset") or {}
     peft = settings.get("peft") or {}
     targets = peft.get("target_modules")
-    trainer = None
+    trainer, trainer_args, objective = None, None, None
     if settings.get("trainer"):  # the run's own factory: its model and batches, imported as the run imported it
         from autotune.probe.user_trainer import TrainerRef
 
-        target, _, function = str(settings["trainer"]).rpartition(":")
+        identity = settings["trainer"] if isinstance(settings["trainer"], dict) else {"reference": settings["trainer"]}
+        target, _, function = str(identity["reference"]).rpartition(":")
         trainer = TrainerRef(target=target, function=function, sys_path=probe.get("trainer_sys_path"))
+        trainer_args, objective = identity.get("args"), identity.get("objective")
     return dict(
         model=None if trainer else settings["model"], trainer=trainer, budget=budget, n_trials=n_trials, space=SearchSpace.from_dict(settings["space"]),
         memory_ceiling=int(settings["memory_ceiling_bytes"]), effective_batch_size=settings.get("effective_batch_size"),
@@ -117,7 +119,19 @@ def options_for_worker(
         strategy=settings.get("strategy") or "bayes", isolation=probe.get("isolation", "fork"),
         peft=peft.get("method"), lora_r=peft.get("r"), lora_alpha=peft.get("alpha"), lora_dropout=peft.get("dropout"),
         lora_target_modules=list(targets) if targets else None,
+        trainer_args=trainer_args, objective=objective, baseline=_baseline_fields(settings.get("baseline")),
     )
+
+
+def _baseline_fields(stored: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The study's baseline as config fields (what ``--baseline`` takes), so a worker plans the same baseline."""
+    if not stored:
+        return None
+    from autotune.config_fields import config_overrides
+    from autotune.params import TrialParams
+
+    params = TrialParams.from_dict(stored)
+    return {**config_overrides(params), "attn_implementation": params.attn_implementation}
 
 
 def worker_command(storage: str, study: str, device: str, *, n_trials: int | None = None) -> list[str]:

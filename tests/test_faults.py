@@ -209,7 +209,8 @@ def test_best_json_is_written_when_the_report_cannot_be(tmp_path, monkeypatch) -
     done = run_plan(plan, evaluator=FakeEvaluator(), report_dir=tmp_path / "reports", best_json=tmp_path / "best.json")
     assert done.result.best is not None and done.report_path is None
     assert "No space left on device" in (done.report_error or "") and "autotune report s" in (done.report_error or "")
-    assert json.loads((tmp_path / "best.json").read_text()) == done.result.best_kwargs()
+    assert json.loads((tmp_path / "best.json").read_text()) == done.result.best_json()
+    assert json.loads((tmp_path / "best.model.json").read_text()) == {"attn_implementation": done.result.best_params["attn_implementation"]}
 
 
 @pytest.mark.parametrize("flag", ["--report-dir", "--output"])

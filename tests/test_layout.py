@@ -26,7 +26,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "autotune"
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("autotune.version", "autotune.errors", "autotune.units", "autotune.interrupts"),
     ("autotune.params",),
-    ("autotune.records",),
+    ("autotune.records", "autotune.config_fields"),
     ("autotune.space", "autotune.models", "autotune.data", "autotune.lora"),
     ("autotune.storage",),
     ("autotune.studies",),

@@ -231,7 +231,7 @@ def test_plan_records_the_adapters_as_study_identity(tmp_path) -> None:
     assert attrs["parameters"]["trainable"] == 2 * 16 * ((128 + 384) + (128 + 128))
     assert "peft" in _MUST_MATCH
     other = plan_run(_options(tmp_path, peft="lora", lora_r=16, lora_alpha=16, lora_target_modules="query_key_value,dense"))
-    assert studies.mismatch(attrs, other.study_attrs(None), _MUST_MATCH) == "was made with a different peft"
+    assert studies.mismatch(attrs, other.study_attrs(None), _MUST_MATCH) == "was made with a different peft (alpha: 32.0 then, 16.0 now)"
     assert studies.mismatch({**attrs, "peft": None}, plan_run(_options(tmp_path)).study_attrs(None), _MUST_MATCH) is None
     # A worker joining the study probes with the same adapters.
     joined = options_for_worker(attrs, storage="sqlite://", study=plan.study_name, device="cpu", budget="1m", n_trials=None, seed_offset=1)
@@ -253,7 +253,8 @@ def test_lora_study_best_json_carries_a_note_hf_can_parse(tmp_path, cpu_device, 
     assert "autotune_note" not in result.best_kwargs()  # TrainingArguments' kwargs stay TrainingArguments'
     assert result.best_training_arguments().per_device_train_batch_size == result.best_params["per_device_train_batch_size"]
     path = result.write_best_json(tmp_path / "best.json")
-    training, loading = HfArgumentParser((TrainingArguments, ModelLoadingArguments)).parse_json_file(str(path))
+    TrainingArguments(**json.loads(path.read_text(encoding="utf-8")))  # best.json: TrainingArguments' fields alone
+    (loading,) = HfArgumentParser(ModelLoadingArguments).parse_json_file(str(tmp_path / "best.model.json"))
     assert "LoRA r=8" in loading.autotune_note and "get_peft_model(model, LoraConfig(r=8" in loading.autotune_note
     code = training_arguments_code(result)
     assert "model = get_peft_model(model, LoraConfig(r=8, lora_alpha=8, lora_dropout=0, task_type=\"CAUSAL_LM\"))" in code

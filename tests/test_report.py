@@ -241,7 +241,7 @@ def test_cli_report_export_list(storage, tmp_path, capsys, monkeypatch) -> None:
 
     assert main(["export", "report-test", "--storage", storage, "--format", "json"]) == 0
     exported = json.loads(capsys.readouterr().out)
-    assert exported == result.best_kwargs()
+    assert exported == result.best_json()
 
     assert main(["export", "report-test", "--storage", storage, "--format", "python"]) == 0
     code = capsys.readouterr().out
@@ -408,7 +408,7 @@ def test_one_set_of_numbers_in_the_terminal_the_report_the_charts_and_export(sto
     console = Console(width=200, record=True)
     print_summary(console, result)
     terminal = console.export_text()
-    assert "100.0 samples/s" in terminal and "2.00x the transformers defaults" in terminal
+    assert "100.0 samples/s" in terminal and "2.00x transformers' defaults" in terminal
 
     model = build_report_model(result)
     assert "at 100.0 samples/s" in model.headline

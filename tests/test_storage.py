@@ -45,7 +45,7 @@ def _create_resume_list_report_export(storage: str, fake_gpu, tmp_path, capsys) 
     capsys.readouterr()
 
     assert main(["export", "s", "--storage", storage]) == 0
-    assert json.loads(capsys.readouterr().out) == second.best_kwargs()
+    assert json.loads(capsys.readouterr().out) == second.best_json()
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,10 @@ def _load(args):
 
 
 def one_argument(args):
+    return None
+
+
+def three_arguments(a, b, c):
     return None
 
 
@@ -76,7 +81,8 @@ def _one_line(error: pytest.ExceptionInfo[UsageError]) -> str:
     ("broken.py:make_trainer", "importing broken.py raised ModuleNotFoundError: No module named 'not_installed_xyz' (at broken.py:1"),
     ("my_train.py:make_trainr", "no make_trainr in my_train.py: did you mean make_trainer?"),
     ("my_train.py:NUMBER", "NUMBER in my_train.py is an int, not a function"),
-    ("my_train.py:one_argument", "one_argument(args) in my_train.py cannot be called as make_trainer(args, attn_implementation)"),
+    ("my_train.py:one_argument", "one_argument in my_train.py takes argv: pass its inputs with --trainer-args"),
+    ("my_train.py:three_arguments", "three_arguments(a, b, c) in my_train.py cannot be called as make_trainer(argv) or make_trainer(args, attn_implementation)"),
     pytest.param("my_train.py:make_trainer", "make_trainer in my_train.py raised FileNotFoundError: no train.jsonl here "
                  "(at my_train.py:12 in _load: raise FileNotFoundError(", marks=pytest.mark.slow),  # imports transformers
     pytest.param("my_train.py:returns_dict", "returns_dict in my_train.py returned a dict, not a transformers.Trainer", marks=pytest.mark.slow),
@@ -187,7 +193,8 @@ def test_a_module_factory_plans_its_study_and_warns_about_changed_arguments(tmp_
     assert ("warning: make_trainer_changing_args changes TrainingArguments it is given (learning_rate): the probes "
             "measure what your Trainer runs, so those are not tuned") in console.export_text()
     attrs = plan.study_attrs(None)
-    assert attrs["trainer"] == "mypkg.train:make_trainer_changing_args" and attrs["probe"]["trainer_sys_path"] == str(package.parent)
+    assert attrs["trainer"]["reference"] == "mypkg.train:make_trainer_changing_args" and attrs["trainer"]["args"] is None
+    assert attrs["probe"]["trainer_sys_path"] == str(package.parent)
     assert attrs["num_parameters"] == 12_704 and "trainer" in api._MUST_MATCH
     # A worker joining from another directory imports the module as the run did, and finds the same study.
     monkeypatch.chdir(tmp_path)
@@ -279,5 +286,159 @@ def test_custom_collator_example_is_tuned_through_the_cli_and_best_json_trains(
     assert counts["trainable"] == counts["total"] > 0
     _check_trials(result.trials, counts, custom.MAX_LENGTH)
     assert "parameters trainable" in (tmp_path / f"{result.study_name}.html").read_text(encoding="utf-8")
-    args, loading = HfArgumentParser((TrainingArguments, ModelLoadingArguments)).parse_json_file(str(tmp_path / "best.json"))
+    args = TrainingArguments(**json.loads((tmp_path / "best.json").read_text(encoding="utf-8")))
+    (loading,) = HfArgumentParser(ModelLoadingArguments).parse_json_file(str(tmp_path / "best.model.json"))
     _train_one_step(custom, args, loading.attn_implementation, tmp_path)
+
+
+# ------------------------------------------------------------------- a factory's own inputs (make_trainer(argv))
+
+ARGV = ROOT / "tests" / "data" / "trainers" / "argv_trainer.py"
+
+
+def _argv_plan(tmp_path: Path, args: str | None, **values: Any) -> Any:
+    return plan_run(_options(tmp_path, trainer=f"{ARGV}:make_trainer", trainer_args=args, **values))
+
+
+@pytest.mark.slow
+def test_a_factorys_inputs_are_part_of_its_studys_identity(tmp_path: Path) -> None:
+    from autotune.api import run_plan
+    from tests.conftest import FakeEvaluator
+
+    first = _argv_plan(tmp_path, "--hidden_size 32")
+    run_plan(first, evaluator=FakeEvaluator(), report_dir=None)
+    identity = first.study_attrs(None)["trainer"]
+    assert identity["args"] == ["--hidden_size", "32"] and (identity["trainable"], identity["frozen"]) == (12_704, 0)
+    assert identity["tokens_per_sequence"] == 10.0 and identity["objective"] == "tokens"
+    assert _argv_plan(tmp_path, "--hidden_size 32").study_name == first.study_name  # the same inputs: the same study
+    wider = _argv_plan(tmp_path, "--hidden_size 48")  # another model
+    slower = _argv_plan(tmp_path, "--hidden_size 32 --learning_rate 1e-3")  # the same model, other training
+    assert len({first.study_name, wider.study_name, slower.study_name}) == 3
+    assert wider.study_name.startswith(first.study_name + "-")  # the default name, and a hash of what differs
+    # An explicit --study that clashes is refused, naming what differs; the study keeps its trials.
+    clash = _argv_plan(tmp_path, "--hidden_size 48", study=first.study_name)
+    with pytest.raises(UsageError) as error:
+        run_plan(clash, evaluator=FakeEvaluator(), report_dir=None)
+    assert "different trainer" in _one_line(error) and "--hidden_size 32 then, --hidden_size 48 now" in str(error.value)
+
+
+@pytest.mark.slow
+def test_a_file_a_factorys_inputs_name_is_part_of_the_identity_by_content(tmp_path: Path) -> None:
+    from autotune.api import run_plan
+    from tests.conftest import FakeEvaluator
+
+    config = tmp_path / "run.json"
+    config.write_text('{"hidden_size": 32}', encoding="utf-8")
+    first = _argv_plan(tmp_path, f"--hidden_size 32 --run_name {config}")
+    run_plan(first, evaluator=FakeEvaluator(), report_dir=None)
+    assert first.study_attrs(None)["trainer"]["files"] == {str(config): first.study_attrs(None)["trainer"]["files"][str(config)]}
+    config.write_text('{"hidden_size": 64}', encoding="utf-8")
+    assert _argv_plan(tmp_path, f"--hidden_size 32 --run_name {config}").study_name != first.study_name
+
+
+@pytest.mark.slow
+def test_the_users_own_settings_are_the_baseline_and_the_expert_rule_a_reference(tmp_path: Path) -> None:
+    space = tmp_path / "space.yaml"
+    space.write_text("per_device_train_batch_size: [4, 8, 16]\nprecision: [fp32, bf16]\ngradient_checkpointing: [false, true]\n"
+                     "dataloader_drop_last: [false, true]\n", encoding="utf-8")
+    plan = _argv_plan(tmp_path, "--per_device_train_batch_size 4 --gradient_checkpointing true --dataloader_drop_last true",
+                      space=str(space))
+    assert plan.baseline_source == "user" and plan.objective == "tokens" and plan.seq_len == 24  # padded to 24: tokens per sequence
+    assert (plan.baseline.per_device_train_batch_size, plan.baseline.gradient_checkpointing, plan.baseline.precision) == (4, True, "fp32")
+    assert plan.baseline.dataloader_drop_last is True and plan.space.config_fields == ("dataloader_drop_last",)
+    # The expert rule: 16-bit, fused AdamW, no checkpointing, the largest batch; the user's own fields kept.
+    expert = plan.expert
+    assert (expert.precision, expert.optim, expert.gradient_checkpointing, expert.per_device_train_batch_size) == ("bf16", "adamw_torch_fused", False, 16)
+    assert expert.dataloader_drop_last is True and plan.space.contains(expert) and plan.space.contains(plan.baseline)
+    attrs = plan.study_attrs(None)
+    assert attrs["expert"] == expert.to_dict() and attrs["user_config"]["per_device_train_batch_size"] == 4
+    # --baseline: a file of the settings run today, over the factory's own.
+    settings = tmp_path / "today.yaml"
+    settings.write_text("per_device_train_batch_size: 8\nbf16: true\n", encoding="utf-8")
+    other = _argv_plan(tmp_path, "--per_device_train_batch_size 4", space=str(space), baseline=str(settings))
+    assert other.baseline_source == "file" and (other.baseline.per_device_train_batch_size, other.baseline.precision) == (8, "bf16")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("values", "space", "expected"), [
+    ({"trainer_args": "--no_such_flag 1"}, None, "its argument parser rejected its inputs"),
+    ({"trainer_args": "--run_name 'unclosed"}, None, "does not split into arguments"),
+    ({"trainer_args": ""}, "dataloader_drop_lats: [true]\n", "dataloader_drop_lats: unknown parameter (did you mean dataloader_drop_last?)"),
+    ({"trainer_args": ""}, "dataloader_drop_last: [maybe]\n", "dataloader_drop_last: 'maybe' is not true or false"),
+    ({"trainer_args": ""}, "bf16: [true, false]\n", "bf16: autotune searches it as precision"),
+    ({"trainer_args": ""}, "max_steps: [5]\n", "max_steps: every probe sets it itself"),
+    ({"trainer_args": "", "baseline": "missing.json"}, None, "--baseline missing.json: no such file"),
+    ({"trainer_args": "", "baseline": "bad.yaml"}, None, "per_device_train_bach_size: not a field of TrainingArguments (did you mean per_device_train_batch_size?)"),
+    ({"trainer_args": "", "objective": "tokenz"}, None, "did you mean tokens?"),
+])
+def test_bad_factory_inputs_spaces_and_baselines_are_one_line_errors(user_dir: Path, values: dict[str, Any], space: str | None,
+                                                                     expected: str) -> None:
+    (user_dir / "bad.yaml").write_text("per_device_train_bach_size: 16\n", encoding="utf-8")
+    extra = {}
+    if space is not None:
+        (user_dir / "space.yaml").write_text(space, encoding="utf-8")
+        extra["space"] = str(user_dir / "space.yaml")
+    with pytest.raises(UsageError) as error:
+        plan_run(_options(user_dir, trainer=f"{ARGV}:make_trainer", **values, **extra))
+    assert expected in _one_line(error)
+    assert not (user_dir / "a.db").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("trainer", "args", "expected"), [
+    (f"{ARGV}:make_trainer_without_parser", "", "parsed no command line: parse argv with your parser"),
+    (f"{PADDED}:make_trainer", "--lr 1", "takes (args, attn_implementation), not its own inputs"),
+])
+def test_a_factory_that_cannot_take_its_inputs_is_refused(user_dir: Path, trainer: str, args: str, expected: str) -> None:
+    with pytest.raises(UsageError) as error:
+        plan_run(_options(user_dir, trainer=trainer, trainer_args=args))
+    assert expected in _one_line(error)
+
+
+@pytest.mark.slow
+def test_a_probe_passes_the_trial_to_an_argv_factory_as_flags() -> None:
+    from autotune.params import TrialParams
+    from autotune.probe import isolation
+    from autotune.records import ProbeSpec
+
+    params = TrialParams(per_device_train_batch_size=4, attn_implementation="eager", extra=(("dataloader_drop_last", True),))
+    spec = ProbeSpec(model={}, params=params, seq_len=24, device="cpu", warmup_steps=1, measure_steps=3, trainer=f"{ARGV}:make_trainer",
+                     trainer_args=("--hidden_size", "32", "--per_device_train_batch_size", "2"), trainer_attn_flag=True,
+                     objective_tokens_per_sample=10.0)
+    result = isolation.run_isolated(spec, timeout_s=180)
+    assert result.status == "ok", result.error
+    assert result.extra["args_changed"] == [] and result.extra["attn_implementation_used"] == "eager"
+    assert result.extra["training_arguments"]["dataloader_drop_last"] is True
+    assert result.extra["training_arguments"]["per_device_train_batch_size"] == 4  # the trial's flag comes after the user's
+    assert result.samples_per_s == pytest.approx(result.tokens_per_s / 10.0)  # ranked by tokens
+    assert result.extra["sequences_per_s_counted"] == pytest.approx(4 / result.step_time_s)
+
+
+@pytest.mark.slow
+def test_trls_own_sft_script_is_tuned_with_packing_and_its_answer_loads_into_sftconfig(
+    tmp_path: Path, short_probes: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """examples/trl_sft.py (TRL's sft.py adapted) with packing and padding_free searched: the packed configuration wins."""
+    pytest.importorskip("trl")
+    from trl import SFTConfig
+
+    import autotune
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    space = tmp_path / "space.yaml"
+    space.write_text("per_device_train_batch_size: [8]\nprecision: [fp32]\ngradient_checkpointing: [false]\nattn_implementation: [sdpa]\n"
+                     "packing: [false, true]\npadding_free: [false, true]\n", encoding="utf-8")
+    inputs = (f"--model_name_or_path {EXAMPLES / 'data' / 'tiny-llama'} --dataset_name {EXAMPLES / 'data' / 'sft'} --max_length 128 "
+              "--bf16 false --gradient_checkpointing false --per_device_train_batch_size 8")
+    result = autotune.tune(trainer=f"{EXAMPLES / 'trl_sft.py'}:make_trainer", trainer_args=inputs, budget=None, n_trials=6, space=str(space),
+                           device="cpu", warmup_steps=1, measure_steps=2, storage=f"sqlite:///{tmp_path / 'a.db'}", report_dir=tmp_path,
+                           verbose=False, command="test")
+    assert result.objective == "tokens" and result.settings["baseline_source"] == "user"
+    assert result.best_params["extra"]["packing"] is True, result.ranked()[["trial", "extra", "tokens_per_s"]]
+    assert result.speedup_over("baseline") > 1 and result.speedup_over("expert") is not None
+    best = json.loads(json.dumps(result.best_json()))
+    config = SFTConfig(output_dir=str(tmp_path / "out"), **best)  # the answer goes back into the user's class
+    assert config.packing is True and config.max_length == 128 and config.per_device_train_batch_size == 8
+    report = (tmp_path / f"{result.study_name}.html").read_text(encoding="utf-8")
+    assert "your settings" in report and "the expert rule" in report and "SFTConfig(" in report

@@ -473,18 +473,13 @@ def probe_training_arguments(spec: ProbeSpec, output_dir: str, max_steps: int, c
     """
     from transformers import TrainingArguments
 
-    return TrainingArguments(
-        output_dir=output_dir,
-        max_steps=max_steps,
-        use_cpu=not cuda,
-        seed=spec.seed,
-        save_strategy="no",
-        report_to="none",
-        logging_strategy="steps",
-        logging_steps=1,
-        disable_tqdm=True,
-        **spec.params.training_arguments_kwargs(),
-    )
+    return TrainingArguments(**probe_fields(spec, output_dir, max_steps, cuda), **spec.params.training_arguments_kwargs())
+
+
+def probe_fields(spec: ProbeSpec, output_dir: str, max_steps: int, cuda: bool) -> dict[str, Any]:
+    """The fields every probe sets whatever the trial (see :func:`probe_training_arguments`)."""
+    return {"output_dir": output_dir, "max_steps": max_steps, "use_cpu": not cuda, "seed": spec.seed, "save_strategy": "no",
+            "report_to": "none", "logging_strategy": "steps", "logging_steps": 1, "disable_tqdm": True}
 
 
 def applied_arguments(args: Any, params: Any) -> dict[str, Any]:
@@ -538,11 +533,13 @@ def run_probe(spec: ProbeSpec) -> ProbeResult:
         callback = _make_callback(spec, cuda)
         total_steps = spec.warmup_steps + callback.step_budget
         with tempfile.TemporaryDirectory(prefix="autotune-probe-out-", dir=_env_folder("AUTOTUNE_PROBE_SCRATCH")) as output_dir:
-            args = probe_training_arguments(spec, output_dir, total_steps, cuda)
+            # A make_trainer(argv) factory builds its own config class from flags (autotune.probe.user_trainer.factory_argv).
+            args = probe_training_arguments(spec, output_dir, total_steps, cuda) if spec.trainer_args is None else None
             if spec.trainer is not None:  # the user's own model, data and Trainer, from their factory
                 from autotune.probe.user_trainer import build_trainer
 
-                user = build_trainer(spec, args, cuda)
+                user = build_trainer(spec, args, cuda) if args is not None else \
+                    build_trainer(spec, None, cuda, probe=probe_fields(spec, output_dir, total_steps, cuda))
                 trainer, counts, model_build_s = user.trainer, user.counts, user.build_s
                 trainer.__class__ = _timed_trainer(callback, type(trainer))  # timed as a built-in model's Trainer is
                 trainer.add_callback(callback)
@@ -773,9 +770,13 @@ def _summarise(
     samples_per_s = samples_per_step / step_time_s
     tokens_per_s = samples_per_s * spec.seq_len
     counted = callback.measured_batches()
+    extra: dict[str, Any] = {}
     if counted is not None and counted[0] > 0:  # a user's Trainer: its real batches, padding not counted as tokens
         samples_per_step = round(counted[0] / len(step_times))
         samples_per_s, tokens_per_s = counted[0] / window_s, counted[1] / window_s
+        if spec.objective_tokens_per_sample:  # ranked by tokens: sequences of the data's mean length per second
+            extra["sequences_per_s_counted"] = samples_per_s
+            samples_per_s = tokens_per_s / spec.objective_tokens_per_sample
     wait_fraction = min(callback.measured_fetch_s() / window_s, 1.0) if window_s > 0 else None
     telemetry = telemetry_fields(callback.telemetry, samples_per_step * len(step_times), min_telemetry_window_s())
     return ProbeResult(
@@ -792,7 +793,7 @@ def _summarise(
         **telemetry,
         input_wait_fraction=wait_fraction,
         input_bound=bool(wait_fraction is not None and wait_fraction > INPUT_BOUND_FRACTION),
-        extra={"step_times_s": step_times, "torch_threads": _torch_threads(), **_compile_counts(spec, callback)},
+        extra={"step_times_s": step_times, "torch_threads": _torch_threads(), **_compile_counts(spec, callback), **extra},
         **common,
     )
 

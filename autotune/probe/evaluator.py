@@ -52,6 +52,9 @@ class ProbeEvaluator:
     peft: dict[str, Any] | None = None  # autotune.lora.LoraSettings.to_dict(): train LoRA adapters; None: every weight
     trainer: str | None = None  # the user's Trainer factory (ProbeSpec.trainer); None: the built-in model and data
     trainer_sys_path: str | None = None  # ProbeSpec.trainer_sys_path
+    trainer_args: tuple[str, ...] | None = None  # ProbeSpec.trainer_args
+    trainer_attn_flag: bool = False  # ProbeSpec.trainer_attn_flag
+    objective_tokens_per_sample: float | None = None  # ProbeSpec.objective_tokens_per_sample
     _trial_number: int | None = field(default=None, init=False, repr=False)
     _last_probe_end_s: float | None = field(default=None, init=False, repr=False)  # time.time() when our last probe ended
 
@@ -72,6 +75,9 @@ class ProbeEvaluator:
             peft=self.peft,
             trainer=self.trainer,
             trainer_sys_path=self.trainer_sys_path,
+            trainer_args=self.trainer_args,
+            trainer_attn_flag=self.trainer_attn_flag,
+            objective_tokens_per_sample=self.objective_tokens_per_sample,
         )
 
     def prepare(self) -> None:

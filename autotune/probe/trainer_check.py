@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from autotune.config_fields import as_flags, describe_fields
 from autotune.errors import UsageError
 from autotune.probe.user_trainer import (
     TrainerRef,
@@ -35,6 +36,8 @@ from autotune.probe.user_trainer import (
     model_config_dict,
     pad_token_id,
     raised_message,
+    recorded_options,
+    takes_argv,
     unwrapped_model,
 )
 from autotune.records import ProbeSpec
@@ -51,6 +54,12 @@ def inspect_in_child(spec: ProbeSpec) -> dict[str, Any]:
     """
     ref = TrainerRef.from_spec(spec)
     factory = load_factory(ref)  # first: a factory that cannot be found is reported without importing torch
+    if spec.trainer_args is not None and not takes_argv(factory):
+        raise UsageError(f"--trainer-args: {ref.function} in {ref.where} takes (args, attn_implementation), not its own inputs: "
+                         f"define it as {ref.function}(argv) and parse argv with your parser, or drop --trainer-args")
+    if spec.trainer_args is None and takes_argv(factory):
+        raise UsageError(f"{ref.function} in {ref.where} takes argv: pass its inputs with --trainer-args (\"\" for none), "
+                         "e.g. --trainer-args \"--model_name_or_path my-model\"")
     import torch
     from transformers.utils import logging as hf_logging
 
@@ -60,10 +69,19 @@ def inspect_in_child(spec: ProbeSpec) -> dict[str, Any]:
     hf_logging.set_verbosity_error()
     torch.manual_seed(spec.seed)
     cuda = spec.device.startswith("cuda")
+    options: set[str] | None = None
     with tempfile.TemporaryDirectory(prefix="autotune-trainer-check-") as output_dir:
-        args = probe_training_arguments(spec, output_dir, 1, cuda)
-        given = args.to_dict()
-        trainer = call_factory(factory, ref, args, None)
+        if spec.trainer_args is not None:  # the user's own inputs: their settings, as they run them
+            argv = [*spec.trainer_args, *as_flags({"output_dir": output_dir, "report_to": "none", "save_strategy": "no",
+                                                    **({} if cuda else {"use_cpu": True})})]
+            with recorded_options() as options:
+                trainer = call_factory(factory, ref, argv)
+            given: dict[str, Any] = {}
+            _check_parser(ref, options)
+        else:
+            args = probe_training_arguments(spec, output_dir, 1, cuda)
+            given = args.to_dict()
+            trainer = call_factory(factory, ref, args, None)
         try:
             batch = next(iter(trainer.get_train_dataloader()))
         except Exception as exc:  # noqa: BLE001 - the user's data or collator: reported in one line
@@ -76,18 +94,82 @@ def inspect_in_child(spec: ProbeSpec) -> dict[str, Any]:
                              "token models: return a Trainer whose collator yields input_ids")
         model = unwrapped_model(trainer.model)
         counts = count_model_parameters(trainer.model)
+        sequences, tokens = int(batch_sequences(batch)), int(batch_tokens(batch, pad_token_id(trainer)))
+        config_class = type(trainer.args)
+        fields = describe_fields(config_class)
         return {
+            "config_class": f"{config_class.__module__}.{config_class.__qualname__}",
+            "user_config": _own_settings(trainer.args, fields) if options is not None else None,
+            "fields": {name: kind.to_dict() for name, kind in fields.items()},
+            "options": sorted(options) if options is not None else None,
+            "attn_implementation": getattr(getattr(model, "config", None), "_attn_implementation", None),
+            "tokens_per_sequence": tokens / sequences if sequences else None,
+            "batch_numel": int(ids.numel()),
+            "max_length": _max_length(trainer.args),
+            "value_problems": _value_problems(trainer.args, spec.check_values or {}),
             "config": model_config_dict(trainer.model),
             "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
             "trainer_class": f"{type(trainer).__module__}.{type(trainer).__qualname__}",
             "parameters": counts.to_dict(),
-            "seq_len": int(ids.shape[-1]),
+            # Tokens per sequence, not per flattened row (a padding-free or packed batch is one long row): the
+            # config's max_length where it has one (what no sequence exceeds), else the first batch's tokens per sequence.
+            "seq_len": _max_length(trainer.args) or max(1, round(int(ids.numel()) / max(sequences, 1))),
             "batch_size": int(batch_sequences(batch)),
             "batch_tokens": int(batch_tokens(batch, pad_token_id(trainer))),
             "args_changed": changed_arguments(given, trainer.args),
             "supports_sdpa": bool(getattr(type(model), "_supports_sdpa", True)),
             "supports_flash": bool(getattr(type(model), "_supports_flash_attn", True)),
         }
+
+
+def _check_parser(ref: TrainerRef, options: set[str] | None) -> None:
+    """A ``make_trainer(argv)`` factory parsed its inputs with a parser that takes the probe's flags."""
+    if not options:
+        raise UsageError(f"{ref.function}(argv) in {ref.where} parsed no command line: parse argv with your parser, e.g. "
+                         "TrlParser((ScriptArguments, SFTConfig, ModelConfig)).parse_args_and_config(argv)")
+    missing = [f"--{name}" for name in ("output_dir", "max_steps", "per_device_train_batch_size") if f"--{name}" not in options]
+    if missing:
+        raise UsageError(f"the parser of {ref.function}(argv) in {ref.where} has no {', '.join(missing)}: parse argv into your "
+                         "TrainingArguments (or SFTConfig) with HfArgumentParser/TrlParser")
+
+
+def _own_settings(args: Any, fields: dict[str, Any]) -> dict[str, Any]:
+    """The user's settings: the fields of their config that differ from the class's defaults (JSON values;
+    the probe's own fields left out)."""
+    import enum
+
+    from autotune.config_fields import PROBE_FIELDS
+
+    own = {}
+    for name, kind in fields.items():
+        value = getattr(args, name, None)  # not to_dict(): it masks every field named *_token (TRL's eos_token too)
+        value = value.value if isinstance(value, enum.Enum) else value
+        if name in PROBE_FIELDS or not (value is None or isinstance(value, (bool, int, float, str))):
+            continue
+        if value != kind.default:
+            own[name] = value
+    return own
+
+
+def _max_length(args: Any) -> int | None:
+    for name in ("max_length", "max_seq_length"):
+        value = getattr(args, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def _value_problems(args: Any, values: dict[str, list[Any]]) -> list[str]:
+    """Each value of the space's user-config fields set alone on the user's config: what the class refuses."""
+    problems = []
+    for name, choices in values.items():
+        for value in choices:
+            try:
+                dataclasses.replace(args, **{name: value})
+            except Exception as exc:  # noqa: BLE001 - the class's own validation, reported in one line
+                message = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:_MESSAGE_CHARS]
+                problems.append(f"{name}={value!r}: {type(args).__name__} refuses it ({message})")
+    return problems
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,7 +196,8 @@ class UserTrainer:
         ref: where the factory lives.
         config: the model's config (``config.to_dict()``), for the memory model and the study's identity.
         parameters: an :class:`autotune.lora.ParameterCounts` of the model as trained (adapters included).
-        seq_len: the first batch's sequence length (the memory model's tokens per sample).
+        seq_len: tokens per sequence (the memory model's tokens per sample): the config's ``max_length``, else the first
+            batch's tokens (padding included) per sequence.
         trainer_class: the Trainer's class, ``module.Class``.
         args_changed: ``TrainingArguments`` fields the factory changed (the probes measure what it runs).
         supports_sdpa, supports_flash: the model class has these attention paths.
@@ -128,10 +211,29 @@ class UserTrainer:
     args_changed: tuple[str, ...] = ()
     supports_sdpa: bool = True
     supports_flash: bool = True
+    trainer_args: tuple[str, ...] | None = None  # the factory's own inputs (a make_trainer(argv) factory); None: the other form
+    config_class: str = "transformers.training_args.TrainingArguments"  # the class the Trainer's args are, module.Class
+    user_config: dict[str, Any] | None = None  # the user's own settings (fields that differ from the class's defaults)
+    fields: dict[str, Any] | None = None  # name -> autotune.config_fields.FieldKind of the config class
+    options: tuple[str, ...] | None = None  # the option strings the factory's parser takes
+    attn_implementation: str | None = None  # the kernel the model runs with the user's own settings
+    tokens_per_sequence: float | None = None  # real (non-padding) tokens per sequence in the first batch
+    max_length: int | None = None  # the config's max_length (TRL), if any
+    value_problems: tuple[str, ...] = ()  # values of the space's user-config fields the class refuses
+
+    @property
+    def config_class_name(self) -> str:
+        """``SFTConfig``: the class's own name, for messages and the code a user pastes."""
+        return self.config_class.rsplit(".", 1)[-1]
+
+    @property
+    def takes_attn_flag(self) -> bool:
+        return bool(self.options) and "--attn_implementation" in (self.options or ())
 
 
 def inspect_trainer(ref: TrainerRef, *, device: str, device_uuid: str | None, timeout_s: float, mode: str = "forkserver",
-                    seed: int = 0, python: str = sys.executable) -> UserTrainer:
+                    seed: int = 0, python: str = sys.executable, trainer_args: tuple[str, ...] | None = None,
+                    check_values: dict[str, list[Any]] | None = None) -> UserTrainer:
     """Run the plan-time check of ``ref`` in a fresh child process, as a probe is started (``mode``: forked
     from the probe server, or ``cold``; pinned to the run's GPU, if any), and read its findings.
 
@@ -144,7 +246,7 @@ def inspect_trainer(ref: TrainerRef, *, device: str, device_uuid: str | None, ti
     from autotune.probe.lifetime import DEADLINE_ENV, DRIVER_PID_ENV
 
     spec = ProbeSpec(model={}, params=TrialParams(), seq_len=0, device=device, seed=seed, trainer=ref.reference,
-                     trainer_sys_path=ref.sys_path)
+                     trainer_sys_path=ref.sys_path, trainer_args=trainer_args, check_values=check_values)
     env = isolation.child_env(spec, device_uuid)
     if device.startswith("cuda:"):
         spec = dataclasses.replace(spec, device="cuda")  # the one GPU the child sees
@@ -175,7 +277,11 @@ def inspect_trainer(ref: TrainerRef, *, device: str, device_uuid: str | None, ti
         ref=ref, config=dict(found["config"]), seq_len=int(found["seq_len"]), trainer_class=str(found["trainer_class"]),
         parameters=ParameterCounts.from_dict(found["parameters"]),
         args_changed=tuple(found.get("args_changed") or ()), supports_sdpa=bool(found.get("supports_sdpa", True)),
-        supports_flash=bool(found.get("supports_flash", True)),
+        supports_flash=bool(found.get("supports_flash", True)), trainer_args=trainer_args,
+        config_class=str(found.get("config_class") or UserTrainer.config_class), user_config=found.get("user_config"),
+        fields=found.get("fields"), options=tuple(found["options"]) if found.get("options") is not None else None,
+        attn_implementation=found.get("attn_implementation"), tokens_per_sequence=found.get("tokens_per_sequence"),
+        max_length=found.get("max_length"), value_problems=tuple(found.get("value_problems") or ()),
     )
 
 

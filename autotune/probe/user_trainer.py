@@ -1,11 +1,18 @@
 """The user's own Trainer (``--trainer my_train.py:make_trainer``): finding their factory, calling it, checking it.
 
-The factory is the contract::
+The factory is the contract, in one of two forms::
 
+    def make_trainer(argv: list[str]) -> transformers.Trainer                       # your script's own inputs
     def make_trainer(args: TrainingArguments, attn_implementation: str | None) -> transformers.Trainer
 
-It builds the model (with ``attn_implementation``), the data and collator, and any ``Trainer``
-subclass (TRL's ``SFTTrainer`` too) with the ``TrainingArguments`` it is given. It runs only in
+The first is a training script's ``main`` that returns its Trainer instead of training: it parses
+``argv`` with its own parser (``HfArgumentParser``, TRL's ``TrlParser``) into its own config class
+(``SFTConfig``...), builds the model, data and Trainer, and returns it. autotune calls it with the
+user's inputs (``--trainer-args``), then the probe's and the trial's settings as flags
+(``--per_device_train_batch_size 16 --bf16 true --packing true ...``; ``--attn_implementation`` where
+its parser has it), so any field of the user's class can be searched and the user's own settings are
+the baseline (:mod:`autotune.config_fields`). The second builds the model (with
+``attn_implementation``), the data and any ``Trainer`` subclass with the ``TrainingArguments`` it is given. It runs only in
 child processes: the parent never imports the user's module (it may import torch or TRL, have side
 effects at import, or crash). The parent only parses the reference (:func:`parse_trainer_ref`; a file
 must exist); two kinds of child call the factory:
@@ -28,6 +35,8 @@ at import time.
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import difflib
 import importlib
 import importlib.util
@@ -37,7 +46,7 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,8 +54,9 @@ from typing import Any
 from autotune.errors import UsageError
 from autotune.records import ProbeSpec
 
-SIGNATURE = "make_trainer(args, attn_implementation)"
-CONTRACT = "def {name}(args, attn_implementation) -> transformers.Trainer"
+SIGNATURE = "make_trainer(argv) or make_trainer(args, attn_implementation)"
+CONTRACT = "def {name}(argv) -> transformers.Trainer (parse argv with your parser; or {name}(args, attn_implementation))"
+_ARGV_NAMES = ("argv", "args_list", "cli_args", "arguments")  # a first parameter so named takes the argv form
 # TrainingArguments fields a Trainer or a conversion (TRL's SFTConfig(**args.to_dict())) may rewrite
 # without the factory choosing other training: tokens are masked by to_dict(), the logging folder
 # follows output_dir.
@@ -151,12 +161,31 @@ def load_factory(ref: TrainerRef) -> Callable[..., Any]:
         signature = inspect.signature(factory)
     except (TypeError, ValueError):  # a builtin or an extension without a signature: the call will tell
         return factory  # type: ignore[no-any-return]
+    if _binds(signature, 1) or _binds(signature, 2):
+        return factory  # type: ignore[no-any-return]
+    raise UsageError(f"{ref.function}{signature} in {ref.where} cannot be called as {SIGNATURE}: define it as "
+                     f"{CONTRACT.format(name=ref.function)}")
+
+
+def _binds(signature: inspect.Signature, count: int) -> bool:
     try:
-        signature.bind(None, None)
+        signature.bind(*([None] * count))
     except TypeError:
-        raise UsageError(f"{ref.function}{signature} in {ref.where} cannot be called as {SIGNATURE}: define it as "
-                         f"{CONTRACT.format(name=ref.function)}") from None
-    return factory  # type: ignore[no-any-return]
+        return False
+    return True
+
+
+def takes_argv(factory: Callable[..., Any]) -> bool:
+    """The factory is ``make_trainer(argv)`` (its own command-line inputs), not ``make_trainer(args, attn_implementation)``."""
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):
+        return False
+    one, two = _binds(signature, 1), _binds(signature, 2)
+    if one != two:
+        return one
+    first = next(iter(signature.parameters), "")
+    return first in _ARGV_NAMES
 
 
 def _import_user_module(ref: TrainerRef) -> Any:
@@ -205,7 +234,7 @@ def raised_message(what: str, exc: BaseException, ref: TrainerRef, rerun: str | 
     where = _user_frames(exc, ref)
     text = f"{what} raised {type(exc).__name__}" + (f": {message}" if message else "") + (f" (at {where})" if where else "")
     if rerun is None:
-        rerun = f"calling {ref.function}(TrainingArguments(output_dir='out'), None) yourself"
+        rerun = f"calling {ref.function}(...) yourself with the same inputs"
     return f"{text}: fix it ({rerun} shows the whole traceback)"
 
 
@@ -221,17 +250,21 @@ def _user_frames(exc: BaseException, ref: TrainerRef) -> str:
     return " <- ".join(reversed(frames[-_USER_FRAMES:]))
 
 
-def call_factory(factory: Callable[..., Any], ref: TrainerRef, args: Any, attn_implementation: str | None) -> Any:
-    """``factory(args, attn_implementation)``, checked to return a ``transformers.Trainer``.
+def call_factory(factory: Callable[..., Any], ref: TrainerRef, *inputs: Any) -> Any:
+    """``factory(*inputs)`` (``(argv)`` or ``(args, attn_implementation)``), checked to return a ``transformers.Trainer``.
 
     Raises:
-        UsageError: the factory raised (its exception and where in the user's code, in one line), or
-            returned something else than a Trainer.
+        UsageError: the factory raised (its exception and where in the user's code, in one line), its parser
+            rejected the inputs, or it returned something else than a Trainer.
     """
     from transformers import Trainer
 
     try:
-        trainer = factory(args, attn_implementation)
+        trainer = factory(*inputs)
+    except SystemExit as exc:  # argparse exits on inputs it rejects (its message is on stderr, in the log)
+        argv = " ".join(inputs[0]) if inputs and isinstance(inputs[0], list) else ""
+        raise UsageError(f"{ref.function} in {ref.where}: its argument parser rejected its inputs (exit {exc.code}) "
+                         f"[{argv[:200]}]: fix --trainer-args (python {ref.where} {argv[:80]} shows the parser's message)") from None
     except Exception as exc:  # noqa: BLE001 - the user's code: reported in one line, never a traceback here
         raise UsageError(raised_message(f"{ref.function} in {ref.where}", exc, ref)) from None
     if not isinstance(trainer, Trainer):
@@ -356,9 +389,41 @@ class ProbedTrainer:
                 "attn_implementation_used": getattr(config, "_attn_implementation", None)}
 
 
-def build_trainer(spec: ProbeSpec, args: Any, cuda: bool) -> ProbedTrainer:
+@contextlib.contextmanager
+def recorded_options() -> Iterator[set[str]]:
+    """The option strings (``--packing``, ...) of every argparse parser that parses inside the block: what a
+    ``make_trainer(argv)`` factory's parser accepts (HfArgumentParser and TrlParser parse with argparse).
+    Nothing is changed: each parse goes on as it would."""
+    seen: set[str] = set()
+    original = argparse.ArgumentParser.parse_known_args
+
+    def parse_known_args(self: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> Any:
+        seen.update(self._option_string_actions)
+        return original(self, *args, **kwargs)
+
+    argparse.ArgumentParser.parse_known_args = parse_known_args  # type: ignore[method-assign]
+    try:
+        yield seen
+    finally:
+        argparse.ArgumentParser.parse_known_args = original  # type: ignore[method-assign]
+
+
+def factory_argv(spec: ProbeSpec, fields: dict[str, Any]) -> list[str]:
+    """What a ``make_trainer(argv)`` factory is called with in a probe: the user's inputs, then ``fields`` (the
+    probe's and the trial's) as flags, and the trial's attention kernel where the factory's parser takes it."""
+    from autotune.config_fields import as_flags
+
+    argv = [*(spec.trainer_args or ()), *as_flags(fields)]
+    if spec.trainer_attn_flag:
+        argv += ["--attn_implementation", spec.params.attn_implementation]
+    return argv
+
+
+def build_trainer(spec: ProbeSpec, args: Any, cuda: bool, probe: dict[str, Any] | None = None) -> ProbedTrainer:
     """The user's Trainer for one probe: ``spec``'s factory called with ``args`` (the probe's
-    ``TrainingArguments``) and the trial's ``attn_implementation``, timed, checked and described.
+    ``TrainingArguments``) and the trial's ``attn_implementation``, timed, checked and described; a
+    ``make_trainer(argv)`` factory (``spec.trainer_args``) with the user's inputs, then ``probe`` (the probe's
+    own fields) and the trial's as flags (``args`` None).
     The probe then makes it its own (:func:`autotune.probe.child.run_probe`: the timing subclass, the callback).
 
     Raises:
@@ -370,9 +435,16 @@ def build_trainer(spec: ProbeSpec, args: Any, cuda: bool) -> ProbedTrainer:
 
     ref = TrainerRef.from_spec(spec)
     factory = load_factory(ref)
-    given = args.to_dict()
     start_s = time.perf_counter()
-    trainer = call_factory(factory, ref, args, spec.params.attn_implementation)
+    if spec.trainer_args is not None:  # make_trainer(argv): the user's inputs, then the probe's and the trial's flags
+        from autotune.config_fields import config_overrides
+
+        given = {**(probe or {}), **config_overrides(spec.params)}
+        trainer = call_factory(factory, ref, factory_argv(spec, given))
+        given.pop("report_to")  # transformers keeps it as a list: compared as given it would always differ
+    else:
+        given = args.to_dict()
+        trainer = call_factory(factory, ref, args, spec.params.attn_implementation)
     if cuda:
         torch.cuda.synchronize()
     build_s = time.perf_counter() - start_s

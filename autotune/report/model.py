@@ -17,6 +17,7 @@ from typing import Any
 import pandas as pd
 
 import autotune.storage as storage_lib
+from autotune.config_fields import BATCH_CONTENT_FIELDS
 from autotune.errors import NothingFits
 from autotune.params import PARAM_DEFAULTS, PARAM_NAMES, fp32_matmul_setting
 from autotune.records import ProbeStatus
@@ -319,20 +320,28 @@ def training_arguments_code(result: TuneResult) -> str:
     attn = kwargs.pop("attn_implementation")
     model, comment = model_reference(result.settings)
     model_line = f"model = AutoModelForCausalLM.from_pretrained({_literal(model)}, attn_implementation={_literal(attn)}){comment}"
-    if result.settings.get("trainer"):  # a user's factory (--trainer) builds the model and the Trainer from these arguments
-        function = str(result.settings["trainer"]).rpartition(":")[2]
-        model_line = f"# your factory ({result.settings['trainer']}): trainer = {function}(args, attn_implementation={_literal(attn)})"
+    module, _, class_name = result.config_class.rpartition(".")
+    module = "transformers" if module.startswith("transformers.") else "trl" if module.startswith("trl.") else module
+    identity = result.settings.get("trainer")
+    if identity:  # a user's factory (--trainer) builds the model and the Trainer from these arguments
+        identity = identity if isinstance(identity, dict) else {"reference": identity}
+        function = str(identity["reference"]).rpartition(":")[2]
+        model_line = f"# your factory ({identity['reference']}): trainer = {function}(args, attn_implementation={_literal(attn)})"
+        if identity.get("args") is not None:
+            model_line = (f"# your factory ({identity['reference']}) parses these; pass attn_implementation={_literal(attn)} to your "
+                          "model loading (TRL: --attn_implementation)")
     best = result.best
     speed = f"{float(best['samples_per_s']):,.1f} samples/s" if best is not None else ""
     device = result.settings.get("device", {}).get("name", "?")
     precision = str(best["precision"]) if best is not None else "fp32"
     lines = [
         "import torch",
-        "from transformers import AutoModelForCausalLM, TrainingArguments",
+        "from transformers import AutoModelForCausalLM" + (", TrainingArguments" if class_name == "TrainingArguments" else ""),
+        *([f"from {module} import {class_name}"] if class_name != "TrainingArguments" else []),
         "",
         f"# autotune study {result.study_name!r}: {speed} on {device}",
         model_line,
-        "args = TrainingArguments(",
+        f"args = {class_name}(",
         '    output_dir="trainer_output",',
         *(f"    {k}={_literal(v)}," for k, v in kwargs.items()),
         ")",
@@ -503,14 +512,23 @@ def build_report_model(result: TuneResult) -> ReportModel:
         mean = f" Near-tie: the mean of {probes} probes." if probes > 1 else ""
         headline = (f"Best: trial {int(best['trial'])}, {config}, at {best_sps:,.1f} samples/s "
                     f"({float(best['tokens_per_s']):,.0f} tokens/s), peak memory {format_bytes(best['peak_mem_bytes'])}.{mean}")
-        baseline = result.baseline
-        if baseline:
-            base_sps = _baseline_speed(result)
+        for role, label in (("baseline", result.baseline_label), ("expert", "the expert rule (16-bit, fastest attention, "
+                                                                        "fused AdamW, compiled, largest batch that fits)")):
+            reference = result.reference(role)
+            if not reference:
+                continue
+            ref_sps = result.reference_samples_per_s(role)
             comparisons.append(Comparison(
-                label="the transformers defaults", reference=f"trial {baseline['trial']}: {short_config(baseline)}",
-                reference_samples_per_s=base_sps, speedup=best_sps / base_sps if base_sps else None,
-                note="" if base_sps else f"the baseline did not fit ({OUTCOME_LABELS.get(outcome_of(pd.Series(baseline)), baseline.get('status'))})",
+                label=label, reference=f"trial {reference['trial']}: {short_config(reference)}",
+                reference_samples_per_s=ref_sps, speedup=best_sps / ref_sps if ref_sps else None,
+                note="" if ref_sps else f"it did not fit ({OUTCOME_LABELS.get(outcome_of(pd.Series(reference)), reference.get('status'))})",
             ))
+        if result.objective == "tokens":
+            headline += (" Ranked by real (non-padding) tokens/s: samples/s is tokens/s over the data's "
+                         f"{float(result.settings.get('probe', {}).get('tokens_per_sample') or 0):.1f} tokens per sequence.")
+        changed = [name for name in (result.best_params or {}).get("extra", {}) if name in BATCH_CONTENT_FIELDS]
+        if changed:
+            headline += f" {', '.join(changed)} change{'s' if len(changed) == 1 else ''} what a training step sees (its sequences and their lengths), not only its speed."
         largest, note = largest_default_batch(result)
         if largest is not None:
             ref_sps = float(largest["samples_per_s"])

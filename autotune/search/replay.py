@@ -98,7 +98,7 @@ class ReplayTable:
             mask &= self.frame[name].isin(list(values))
         if int(mask.sum()) < space.size:
             for combo in itertools.product(*(space.choices[n] for n in PARAM_NAMES)):
-                if combo not in self._index:
+                if (*combo, ()) not in self._index:
                     missing = ", ".join(f"{n}={v}" for n, v in zip(PARAM_NAMES, combo))
                     raise ReplayTableError(f"the space does not match the replay table {self.name}: no row for {missing}")
 
@@ -159,7 +159,7 @@ def load_table(path: str | Path) -> ReplayTable:
     index: dict[tuple[Any, ...], int] = {}
     columns = [frame[n].tolist() for n in PARAM_NAMES]
     for position, key in enumerate(zip(*columns)):
-        first = index.setdefault(key, position)
+        first = index.setdefault((*key, ()), position)  # TrialParams.key(): a replay table has no user-config fields
         if first != position:
             raise ReplayTableError(
                 f"replay table {path}: rows {first + 2} and {position + 2} are the same configuration "

@@ -90,7 +90,7 @@ from typing import Any
 import numpy as np
 import optuna
 
-from autotune.params import COMPILED_GRAPH_PARAMS, PARAM_NAMES, TrialParams, mixed_precision_dtype
+from autotune.params import COMPILED_GRAPH_PARAMS, TrialParams, mixed_precision_dtype
 from autotune.records import Probe, ProbeResult, ProbeStatus
 from autotune.search.memory import GROUP_KEYS, PRUNE_MARGIN, UNCALIBRATED_PRUNE_MARGIN, needs_no_less_memory, optimizer_state_bytes
 from autotune.search.ranking import Configuration, rank_configurations
@@ -160,6 +160,9 @@ _WITHIN_KIND_SD = 0.06
 # one's own), the 0-worker effect is the compute model's to learn, and it can be several-fold.
 _MAIN_PROCESS_LOADING_SD = 0.7
 _TILT_SD = {"torch_compile": 0.2}  # compilation mostly cuts per-step overhead: its gain depends on the batch
+# A user-config field's effect on per-sample time (log): unknown before it is measured, and may be large
+# (packing sequences instead of padding them: 2.5x tokens/s on TRL's SFT example).
+_USER_FIELD_SD = 0.5
 THROUGHPUT_MODEL = "steptime"  # or "linear": rounds 1-10's log-additive model (bench comparisons)
 _REFERENCE_BATCH = 8.0  # features are zero here (transformers' default batch size): no variance at the baseline's size
 
@@ -577,7 +580,7 @@ class BayesStrategy(Strategy):
         self._refresh_lines(context, state, len(state.history))
         pending: list[tuple[TrialParams, bool]] = []
         for key in sorted(in_flight, key=repr):  # a stable order: the storage's set order is not
-            params = TrialParams.from_dict(dict(zip(PARAM_NAMES, key)))
+            params = TrialParams.from_key(key)
             if grid.flat_index(params) is None:
                 continue
             group, (a, j) = context.groups.index(params, grid), MemoryEvidence.cell(grid, params)
@@ -1062,7 +1065,7 @@ class BayesStrategy(Strategy):
         indices = []
         for key in keys:
             if key not in context.flat_of_key:
-                context.flat_of_key[key] = context.grid.flat_index(TrialParams.from_dict(dict(zip(PARAM_NAMES, key))))
+                context.flat_of_key[key] = context.grid.flat_index(TrialParams.from_key(key))
             index = context.flat_of_key[key]
             if index is not None:
                 indices.append(index)
@@ -1300,6 +1303,9 @@ def _step_time_surrogate(grid: Grid, accum_dims: tuple[str, ...], accum_values: 
         _value_blocks(terms["per_sample"], dim, "p:", _lookup(per_sample, 0.0), _PER_SAMPLE_SD[dim], _WITHIN_KIND_SD)
     if len(grid.values["optim"]) >= 2:
         _value_blocks(terms["step"], "optim", "s:", _lookup(_STEP_PRIOR, 0.3), _STEP_SD, _STEP_SD)
+    for dim in grid.space.config_fields:  # the user's own config fields (TRL's packing...): no prior but a wide one
+        if len(grid.values[dim]) >= 2:
+            _value_blocks(terms["per_sample"], dim, "p:", _lookup({}, 0.0), _USER_FIELD_SD, _USER_FIELD_SD)
     # Past a middle size a sample may cost more (the hinges), and misaligned batches run slower kernels.
     batch_features: list[tuple[str, Any, float, float]] = [
         (f"hinge{k:g}", (lambda b, k=k: max(0.0, math.log(b / k))), 0.0, 0.1) for k in _HINGES]
