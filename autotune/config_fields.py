@@ -154,8 +154,8 @@ def check_config_values(name: str, values: tuple[Any, ...], fields: dict[str, Fi
         return [f"{name}: every probe sets it itself (it decides where a probe writes, how long it runs or what it logs): "
                 "leave it out of the space"]
     if name not in fields:
-        close = difflib.get_close_matches(name, PARAM_NAMES, n=1, cutoff=0.4) or [n for n in PARAM_NAMES if name.lower() in n][:1]
-        close = close or difflib.get_close_matches(name, searchable(fields), n=1, cutoff=0.6)
+        close = difflib.get_close_matches(name, [*PARAM_NAMES, *searchable(fields)], n=1, cutoff=0.75)
+        close = close or difflib.get_close_matches(name, PARAM_NAMES, n=1, cutoff=0.4) or [n for n in PARAM_NAMES if name.lower() in n][:1]
         hint = f" (did you mean {close[0]}?)" if close else ""
         return [f"{name}: unknown parameter{hint}, neither autotune's nor a field of {class_name}"]
     return [f"{name}: {problem}" for value in values if (problem := fields[name].problem(value))]

@@ -310,6 +310,9 @@ class TuneResult:
             rows = self.trials[self.trials["is_baseline"]]
         else:
             rows = self.trials[self.trials["role"] == role] if "role" in self.trials.columns else self.trials.iloc[0:0]
+            stored = self.settings.get(role)
+            if rows.empty and isinstance(stored, dict) and not self.trials.empty:  # measured under another role (the expert
+                rows = self.trials[same_params(self.trials, stored) & self.trials["duplicate_of"].isna()]  # rule is the baseline)
         return None if rows.empty else {k: _py(v) for k, v in rows.iloc[0].to_dict().items()}
 
     def reference_samples_per_s(self, role: str) -> float | None:

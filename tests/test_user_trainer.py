@@ -316,10 +316,10 @@ def test_a_factorys_inputs_are_part_of_its_studys_identity(tmp_path: Path) -> No
     assert len({first.study_name, wider.study_name, slower.study_name}) == 3
     assert wider.study_name.startswith(first.study_name + "-")  # the default name, and a hash of what differs
     # An explicit --study that clashes is refused, naming what differs; the study keeps its trials.
-    clash = _argv_plan(tmp_path, "--hidden_size 48", study=first.study_name)
+    clash = _argv_plan(tmp_path, "--hidden_size 32 --learning_rate 1e-3", study=first.study_name)
     with pytest.raises(UsageError) as error:
         run_plan(clash, evaluator=FakeEvaluator(), report_dir=None)
-    assert "different trainer" in _one_line(error) and "--hidden_size 32 then, --hidden_size 48 now" in str(error.value)
+    assert "different trainer (args: --hidden_size 32 then, --hidden_size 32 --learning_rate 1e-3 now" in _one_line(error)
 
 
 @pytest.mark.slow
@@ -361,7 +361,8 @@ def test_the_users_own_settings_are_the_baseline_and_the_expert_rule_a_reference
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("values", "space", "expected"), [
-    ({"trainer_args": "--no_such_flag 1"}, None, "its argument parser rejected its inputs"),
+    ({"trainer_args": "--no_such_flag 1"}, None, "Some specified arguments are not used by the HfArgumentParser: ['--no_such_flag'"),
+    ({"trainer_args": "--hidden_size wide"}, None, "its argument parser rejected its inputs (exit 2)"),
     ({"trainer_args": "--run_name 'unclosed"}, None, "does not split into arguments"),
     ({"trainer_args": ""}, "dataloader_drop_lats: [true]\n", "dataloader_drop_lats: unknown parameter (did you mean dataloader_drop_last?)"),
     ({"trainer_args": ""}, "dataloader_drop_last: [maybe]\n", "dataloader_drop_last: 'maybe' is not true or false"),

@@ -95,7 +95,8 @@ def inspect_in_child(spec: ProbeSpec) -> dict[str, Any]:
         model = unwrapped_model(trainer.model)
         counts = count_model_parameters(trainer.model)
         sequences, tokens = int(batch_sequences(batch)), int(batch_tokens(batch, pad_token_id(trainer)))
-        config_class = type(trainer.args)
+        # The class the factory's configuration is: what it parses its inputs into, or the TrainingArguments it is given.
+        config_class = type(trainer.args) if options is not None else type(args)
         fields = describe_fields(config_class)
         return {
             "config_class": f"{config_class.__module__}.{config_class.__qualname__}",
@@ -106,7 +107,7 @@ def inspect_in_child(spec: ProbeSpec) -> dict[str, Any]:
             "tokens_per_sequence": tokens / sequences if sequences else None,
             "batch_numel": int(ids.numel()),
             "max_length": _max_length(trainer.args),
-            "value_problems": _value_problems(trainer.args, spec.check_values or {}),
+            "value_problems": _value_problems(trainer.args, {k: v for k, v in (spec.check_values or {}).items() if k in fields}),
             "config": model_config_dict(trainer.model),
             "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
             "trainer_class": f"{type(trainer).__module__}.{type(trainer).__qualname__}",

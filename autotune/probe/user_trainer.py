@@ -442,6 +442,8 @@ def build_trainer(spec: ProbeSpec, args: Any, cuda: bool, probe: dict[str, Any] 
         given = {**(probe or {}), **config_overrides(spec.params)}
         trainer = call_factory(factory, ref, factory_argv(spec, given))
         given.pop("report_to")  # transformers keeps it as a list: compared as given it would always differ
+        if not cuda:
+            given.pop("dataloader_pin_memory", None)  # transformers turns it off on the CPU, where it means nothing
     else:
         given = args.to_dict()
         trainer = call_factory(factory, ref, args, spec.params.attn_implementation)
