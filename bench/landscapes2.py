@@ -73,7 +73,7 @@ from autotune.search.replay import ReplayEvaluator, ReplayTable, load_table
 GEN2_VERSION = 1  # bump with any change to a functional form, a range or the grid
 _SALT = 0x6E2  # keeps this generator's random streams apart from any other seeded by the same integers
 # Held-out ranges: name -> first draw. Each is run once and then spent; add a fresh one for the next comparison.
-RANGES = {"gen2-heldout": 0, "gen2-heldout2": 100_000}
+RANGES = {"gen2-heldout": 0, "gen2-heldout2": 200_000}  # 100000-100001: a smoke test of the harness, seen
 GIB = 2**30
 
 GRID: dict[str, tuple[Any, ...]] = {
@@ -335,7 +335,7 @@ def model(t: dict[str, Any], g: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     step_s = np.where(workers > 0,
                       np.maximum(compute_step_s, samples / rate) + acc * t["worker_ipc_s"],
                       compute_step_s + samples * c_in)
-    return {"step_s": step_s, "compute_step_s": compute_step_s, "samples_per_s": samples / step_s, "peak_bytes": peak,
+    return {"step_s": step_s, "compute_step_s": compute_step_s, "input_step_s": np.where(workers > 0, samples / rate, samples * c_in), "samples_per_s": samples / step_s, "peak_bytes": peak,
             "micro_s": micro_s, "gpu_s": gpu_s, "dispatch_s": dispatch, "logits_bytes": logits, "acts_bytes": acts}
 
 
@@ -377,7 +377,7 @@ def _build_frame(d: Draw) -> pd.DataFrame:
     true_sps = parts["samples_per_s"]
     measured = true_sps * np.exp(noise_rng.normal(0.0, t["noise_sigma"], n))
     true_peak = parts["peak_bytes"]
-    measured_peak = np.where(ok, true_peak * (1 + noise_rng.uniform(-0.003, 0.003, n)),
+    measured_peak = np.where(ok, np.minimum(true_peak * (1 + noise_rng.uniform(-0.003, 0.003, n)), t["ceiling_bytes"]),
                              np.minimum(true_peak, t["ceiling_bytes"]) * noise_rng.uniform(0.75, 0.99, n))
     # Probe cost.
     comp, ckpt = g["torch_compile"], g["gradient_checkpointing"].astype(bool)
