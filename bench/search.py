@@ -24,6 +24,8 @@
     python -m bench.search --compare before.csv after.csv    # paired, draw by draw, with the 5th percentile's bootstrap interval
     python -m bench.search --family design --draws 400 --budgets 30m --strategies bayes --noise-stream 1  # the same, other probe noise
     python -m bench.search --family heldout6 --gpu-seeds 20     # the GPU-recorded tables with 20 seeds (default 5; 0: none)
+    python -m bench.search --family gen2-heldout --draws 200 --budgets 30m --strategies bayes,tpe,random --processes 1 --gpu-seeds 0
+                                                             # the second generator (bench/landscapes2.py): held out only
 
 Ranges: ``design`` = draws from 0 (design on these only: rounds 1-3 of #14 used 0-199, rounds 4-7 0-399), ``heldout`` = draws 100000-100199 (seen
 once with ``bayes``, after its first design), ``heldout2`` = draws 200000-200199 (added before the
@@ -121,10 +123,12 @@ def noise_stream_problem(stream: int) -> str | None:
 
 
 def family_ranges() -> dict[str, int]:
-    """``{range name: first draw}``: ``design``, ``heldout`` (from bench.family), ``heldout2`` to ``heldout18``."""
+    """``{range name: first draw}``: ``design``, ``heldout`` (from bench.family), ``heldout2`` to ``heldout18``,
+    and the second generator's held-out ranges (``gen2-heldout``, ... from bench.landscapes2)."""
     from bench.family import RANGE_SPAN, RANGES
+    from bench.landscapes2 import RANGES as GEN2_RANGES
 
-    return {**RANGES, **{f"heldout{n}": n * RANGE_SPAN for n in range(2, LAST_HELDOUT + 1)}}
+    return {**RANGES, **{f"heldout{n}": n * RANGE_SPAN for n in range(2, LAST_HELDOUT + 1)}, **GEN2_RANGES}
 
 
 def gpu_tables(root: Path = GPU_REPORTS) -> list[str]:
@@ -285,11 +289,20 @@ def _family_task(task: tuple[str, int, float, int, int]) -> dict[str, Any]:
     return family_search(strategy, draw, budget_s, seed, noise_stream=noise_stream)
 
 
+def _gen2_task(task: tuple[str, int, float, int, int]) -> dict[str, Any]:
+    from bench.landscapes2 import search_draw
+
+    strategy, draw, budget_s, seed, noise_stream = task
+    return search_draw(strategy, draw, budget_s, seed, noise_stream=noise_stream)
+
+
 def bench_family(family: str, draws: int, strategies: list[str], budgets_s: list[float], processes: int, noise_stream: int = 0) -> list[dict[str, Any]]:
-    """Every strategy x budget on ``draws`` landscapes of the range ``family`` (``design``, ``heldout``, ``heldout2`` to ``heldout18``)."""
+    """Every strategy x budget on ``draws`` landscapes of the range ``family`` (``design``, ``heldout``, ``heldout2`` to ``heldout18``;
+    ``gen2-*``: the second generator, whose rows also score the expert rule's configuration)."""
     start = family_ranges()[family]
     tasks = [(strategy, start + i, budget_s, i, noise_stream) for i in range(draws) for strategy in strategies for budget_s in budgets_s]
-    return _map(_family_task, tasks, processes, chunksize=max(1, len(strategies) * len(budgets_s)))
+    task = _gen2_task if family.startswith("gen2") else _family_task
+    return _map(task, tasks, processes, chunksize=max(1, len(strategies) * len(budgets_s)))
 
 
 def family_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
@@ -321,6 +334,11 @@ def family_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, 
                 "probes_mean": round(statistics.fmean(r["probes"] for r in mine), 1),
                 "cpu_s_per_search": round(statistics.fmean(r["cpu_s"] for r in mine), 3),
             }
+            if "expert_ratio" in mine[0]:  # the second generator: against the expert rule's configuration
+                figures = summary[strategy][_budget_label(budget_s)]
+                figures["slower_than_expert"] = int(sum(r["ratio"] < r["expert_ratio"] * (1 - 1e-9) for r in mine))
+                figures["slower_than_expert_by_2pct"] = int(sum(r["ratio"] < r["expert_ratio"] * 0.98 for r in mine))
+                figures["fp32_or_tf32_returned"] = int(sum(r["found_precision"] in ("fp32", "tf32") for r in mine))
     return summary
 
 
@@ -342,6 +360,17 @@ def print_family(summary: dict[str, dict[str, dict[str, Any]]], family: str, dra
                 f"{f['oom_probes_total']:>6} {f['oom_probes_mean']:>8.2f} {f['returned_over_ceiling']:>13} {f['nothing_found']:>11} "
                 f"{f['probes_mean']:>11.1f} {f['cpu_s_per_search']:>10.3f} {f['measured_p5_ratio']:>12.3f} {f['below_095_measured']:>15}"
             )
+
+
+def print_expert(rows: list[dict[str, Any]], summary: dict[str, dict[str, dict[str, Any]]]) -> None:
+    """The second generator: the expert rule's own figures, and how often each search returned less."""
+    expert = np.array([r["expert_ratio"] for r in {r["draw"]: r for r in rows}.values()])
+    f = _figures(expert)
+    print(f"expert rule: median {f['median']:.3f}, p5 {f['p5']:.3f}, worst {f['worst']:.3f}, <0.95 {f['below_095']} of {len(expert)} draws")
+    for strategy, budgets in summary.items():
+        for budget, g in budgets.items():
+            print(f"{strategy:<9} {budget:>6} slower than the expert rule's configuration: {g['slower_than_expert']} draws "
+                  f"({g['slower_than_expert_by_2pct']} by more than 2 %); returned fp32/tf32: {g['fp32_or_tf32_returned']}")
 
 
 def read_details(path: str) -> dict[tuple[str, float], dict[int, float]]:
@@ -467,6 +496,8 @@ def main(argv: list[str] | None = None) -> int:
                 writer.writerows(rows)
         summary = family_summary(rows)
         print_family(summary, args.family, args.draws)
+        if "expert_ratio" in rows[0]:
+            print_expert(rows, summary)
         print(f"runtime {elapsed_s:.0f} s with {args.processes} process(es)")
         gpu: dict[str, Any] = {}
         tables = gpu_tables() if args.gpu_seeds else []

@@ -1,0 +1,237 @@
+"""The second landscape generator (bench/landscapes2.py): deterministic draws, the qualitative effects
+it promises where a draw says they apply, and tables that replay through autotune.search.replay."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from autotune.params import TrialParams
+from autotune.search.replay import replay_search
+from bench.landscapes2 import GRID, CachedReplayEvaluator, draw, expert_params, search_draw
+
+DRAWS = range(900_000, 900_024)  # a range no benchmark reads
+KEY = list(GRID)
+
+
+@functools.cache
+def _draw(index: int):
+    return draw(index)
+
+
+def _paired(frame: pd.DataFrame, column: str, change: dict, where: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``column`` of the rows matching ``where``, and of the same rows with ``change`` applied."""
+    mask = np.ones(len(frame), dtype=bool)
+    for name, value in (where or {}).items():
+        mask &= (frame[name] == value).to_numpy()
+    base = frame[mask]
+    other = base[KEY].copy()
+    for name, value in change.items():
+        other[name] = value
+    indexed = frame.set_index(KEY)[column]
+    return base[column].to_numpy(), indexed.reindex(pd.MultiIndex.from_frame(other)).to_numpy()
+
+
+def _compute_bound(d) -> bool:
+    return not d.traits["input_bound"]
+
+
+def test_draws_are_deterministic_and_differ():
+    a, b = draw(900_001).frame(), draw(900_001).frame()
+    pd.testing.assert_frame_equal(a, b)
+    assert not np.allclose(a["true_samples_per_s"], draw(900_002).frame()["true_samples_per_s"])
+    other_noise = draw(900_001, noise_stream=1).frame()
+    assert np.allclose(a["true_samples_per_s"], other_noise["true_samples_per_s"])  # the landscape is the same
+    assert not np.allclose(a["samples_per_s"].fillna(0), other_noise["samples_per_s"].fillna(0))  # its noise is not
+
+
+def test_over_the_ceiling_is_an_oom_never_a_success():
+    for index in DRAWS:
+        d = _draw(index)
+        frame = d.frame()
+        ok = frame["status"] == "ok"
+        assert ok.any()
+        assert (frame.loc[ok, "true_peak_mem_bytes"] <= d.ceiling_bytes).all()
+        assert (frame.loc[ok, "peak_mem_bytes"] <= d.ceiling_bytes).all()
+        over = frame["true_peak_mem_bytes"] > d.ceiling_bytes
+        assert frame.loc[over, "status"].isin(["oom", "crash"]).all()
+        assert (frame.loc[frame["status"] == "oom", "peak_mem_bytes"] <= d.ceiling_bytes).all()  # what it held when it failed
+
+
+def test_accumulation_raises_the_peak_and_checkpointing_lowers_it():
+    for index in DRAWS:
+        frame = _draw(index).frame()
+        one, two = _paired(frame, "true_peak_mem_bytes", {"gradient_accumulation_steps": 2}, {"gradient_accumulation_steps": 1})
+        assert (two >= one).all() and np.median(two / one) > 1.0
+        plain, ckpt = _paired(frame, "true_peak_mem_bytes", {"gradient_checkpointing": True}, {"gradient_checkpointing": False})
+        assert (ckpt < plain).all()
+
+
+def test_checkpointing_costs_speed_by_a_varying_amount():
+    ratios = []
+    for index in DRAWS:
+        d = _draw(index)
+        if _compute_bound(d):
+            plain, ckpt = _paired(d.frame(), "true_samples_per_s", {"gradient_checkpointing": True}, {"gradient_checkpointing": False})
+            ratios.append(ckpt / plain)
+    ratios = np.concatenate(ratios)
+    assert (ratios < 1.0).all()
+    assert ratios.min() < 0.75 and ratios.max() > 0.9
+
+
+def test_logits_dominate_where_the_vocabulary_is_large_and_precision_barely_moves_activations():
+    from bench.landscapes2 import _grid, model
+
+    seen_logits_dominate = False
+    for index in DRAWS:
+        t = _draw(index).traits
+        parts = model(t, _grid())
+        g = _grid()
+        tokens = g["per_device_train_batch_size"] * t["seq"]
+        assert np.all(parts["logits_bytes"] >= tokens * t["vocab"] * 4.0)  # at least the fp32 logits
+        seen_logits_dominate |= bool(np.any(parts["logits_bytes"] > parts["acts_bytes"]))
+        frame = _draw(index).frame()
+        # Without eager attention's score matrices (stored in the compute dtype), precision barely moves activations.
+        fp32, bf16 = _paired(frame.assign(acts=parts["acts_bytes"]), "acts", {"precision": "bf16"}, {"precision": "fp32", "attn_implementation": "sdpa"})
+        assert np.all(fp32 / bf16 <= 1.15 + 1e-9) and np.all(fp32 / bf16 >= 1.0)
+    assert seen_logits_dominate
+
+
+def _compile_gain(frame: pd.DataFrame, batch: int, precision: str) -> float:
+    where = {"per_device_train_batch_size": batch, "precision": precision, "optim": "adamw_torch_fused", "attn_implementation": "sdpa",
+             "gradient_accumulation_steps": 1, "dataloader_num_workers": 0, "gradient_checkpointing": False, "torch_compile": "off"}
+    off, on = _paired(frame, "true_samples_per_s", {"torch_compile": "inductor"}, where)
+    return float(on[0] / off[0])
+
+
+def test_compilation_gains_more_at_larger_batches():
+    for index in DRAWS:
+        d = _draw(index)
+        if _compute_bound(d):
+            frame = d.frame()
+            assert _compile_gain(frame, 64, "bf16") > _compile_gain(frame, 1, "bf16") > 1.0
+
+
+def test_bf16_against_fp32_depends_on_batch_and_compile():
+    # Eager autocast costs dispatch and casts: where the step is bound by them bf16 loses; compiled at
+    # large batches the tensor cores win. Some draws of a wide range show the first, every one the second.
+    small_eager = []
+    for index in range(900_000, 900_120):
+        d = draw(index)
+        if not _compute_bound(d):
+            continue
+        frame = d.frame()
+        where = {"precision": "fp32", "optim": "adamw_torch_fused", "attn_implementation": "sdpa", "gradient_accumulation_steps": 1,
+                 "dataloader_num_workers": 0, "gradient_checkpointing": False}
+        fp32, bf16 = _paired(frame, "true_samples_per_s", {"precision": "bf16"}, {**where, "torch_compile": "off", "per_device_train_batch_size": 1})
+        small_eager.append(float(bf16[0] / fp32[0]))
+        fp32, bf16 = _paired(frame, "true_samples_per_s", {"precision": "bf16"}, {**where, "torch_compile": "inductor", "per_device_train_batch_size": 128})
+        assert bf16[0] > fp32[0]
+    assert min(small_eager) < 1.0 < max(small_eager)
+
+
+def test_input_bound_draws_measure_every_precision_the_same_until_enough_workers_run():
+    from bench.landscapes2 import _grid, model
+
+    found = 0
+    for index in DRAWS:
+        d = _draw(index)
+        if not d.traits["input_bound"]:
+            continue
+        frame = d.frame()
+        parts = model(d.traits, _grid())
+        # Rows whose step the loader bounds (workers running, compute faster than the input).
+        bound = (frame["dataloader_num_workers"].to_numpy() > 0) & (parts["input_step_s"] > parts["compute_step_s"])
+        frame = frame.assign(bound=bound)
+        for low in ("fp32", "tf32", "fp16"):
+            sps_low, sps_bf16 = _paired(frame, "true_samples_per_s", {"precision": "bf16"}, {"precision": low})
+            bound_low, bound_bf16 = _paired(frame, "bound", {"precision": "bf16"}, {"precision": low})
+            both = bound_low.astype(bool) & bound_bf16.astype(bool)
+            found += int(both.sum())
+            assert np.allclose(sps_low[both], sps_bf16[both], rtol=1e-9)  # the loader bounds both: the same throughput
+        # More workers than the fewest lift the bound: the optimum runs workers.
+        assert d.true_best()["dataloader_num_workers"] > 0
+    assert found
+
+
+def test_failures_apply_where_the_draw_says():
+    kinds = set()
+    for index in range(900_000, 900_120):
+        d = draw(index)
+        t, frame = d.traits, d.frame()
+        status = frame["status"]
+        flash_fp32 = (frame["attn_implementation"] == "flash_attention_2") & frame["precision"].isin(["fp32", "tf32"])
+        assert (status[flash_fp32] == "crash").all()
+        if t["pre_ampere"]:
+            kinds.add("bf16")
+            assert (status[frame["precision"] == "bf16"] == "crash").all()
+        else:
+            assert not (status[(frame["precision"] == "bf16") & ~flash_fp32 & (frame["torch_compile"] == "off")] == "crash").any()
+        if t["compile_crash"] == "all":
+            kinds.add("compile")
+            assert (status[frame["torch_compile"] != "off"] == "crash").all()
+        if t["fp16_diverges"]:
+            kinds.add("fp16")
+            fp16 = frame["precision"] == "fp16"
+            assert status[fp16].isin(["diverged", "crash", "oom"]).all() and (status[fp16] == "diverged").any()
+    assert kinds == {"bf16", "compile", "fp16"}
+
+
+def test_expert_rule_configuration_runs_and_follows_the_rule():
+    for index in DRAWS:
+        d = _draw(index)
+        expert = expert_params(d)
+        assert d.true_samples_per_s(expert) > 0  # ok and under the ceiling
+        assert expert.gradient_accumulation_steps == 1
+        assert expert.precision in ("bf16", "fp16", "fp32") and expert.optim in ("adamw_torch_fused", "adamw_bnb_8bit", "adafactor")
+        if expert.precision == "fp32":  # only where no 16-bit row runs under the ceiling
+            frame = d.frame()
+            half = frame["precision"].isin(["bf16", "fp16"]) & (frame["status"] == "ok")
+            assert not (frame.loc[half, "true_peak_mem_bytes"] <= d.ceiling_bytes).any()
+        if d.traits["pre_ampere"]:
+            assert expert.precision != "bf16" and expert.attn_implementation != "flash_attention_2"
+        if d.traits["compile_crash"] == "all":
+            assert expert.torch_compile == "off"
+
+
+def test_a_draw_replays_through_autotune_replay():
+    d = _draw(900_003)
+    table = d.table()
+    assert len(table) == len(d.frame())
+    outcome = replay_search(table, budget_s=600, memory_ceiling_bytes=d.ceiling_bytes, strategy="random", seed=0)
+    assert outcome.trials_run > 0 and outcome.virtual_s <= 600 + max(d.frame()["probe_s"])
+    if outcome.best_params is not None:
+        assert d.true_samples_per_s(TrialParams.from_dict(outcome.best_params)) > 0
+
+
+def test_inductor_cache_makes_a_second_compile_of_the_same_graph_cheaper():
+    d = _draw(900_003)
+    table = d.table()
+    evaluator = CachedReplayEvaluator(table)
+    frame = d.frame()
+    rows = frame[(frame["torch_compile"] == "inductor") & (frame["status"] != "crash") & ~frame["gradient_checkpointing"]]
+    first = TrialParams.from_dict({n: (v.item() if hasattr(v, "item") else v) for n, v in rows.iloc[0][KEY].items()})
+    evaluator.evaluate(first, timeout_s=10_000)
+    cold = evaluator.clock.now()
+    second = first.replace(optim="adafactor" if first.optim != "adafactor" else "adamw_torch")  # the same graph
+    evaluator.evaluate(second, timeout_s=10_000)
+    warm = evaluator.clock.now() - cold
+    row = table.row(second)
+    assert warm == pytest.approx(float(row["probe_warm_s"])) and warm < float(row["probe_s"]) - 5
+    assert cold == pytest.approx(float(table.row(first)["probe_s"]))
+
+
+def test_search_draw_scores_against_the_optimum_and_the_expert():
+    row = search_draw("random", 900_003, 900.0, seed=0)
+    assert 0.0 <= row["ratio"] <= 1.0 + 1e-9 and 0.0 < row["expert_ratio"] <= 1.0 + 1e-9
+    assert row["over_ceiling"] == 0
+
+
+@pytest.mark.parametrize("index", [900_005])
+def test_every_draw_has_a_runnable_optimum(index):
+    d = _draw(index)
+    best = d.true_best()
+    assert best["status"] == "ok" and best["true_peak_mem_bytes"] <= d.ceiling_bytes
