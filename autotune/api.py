@@ -189,6 +189,7 @@ class RunPlan:
     expert: TrialParams | None = None  # the expert rule's configuration (autotune.search.expert), a reference row
     objective: str = "samples"  # one of OBJECTIVES
     baseline_source: str = "defaults"  # "user" (a make_trainer(argv) factory's own settings), "file" (--baseline), "defaults"
+    started_s: float | None = None  # time.monotonic() when planning began: the budget counts from there
 
     @property
     def tokens_per_sample(self) -> float | None:
@@ -316,6 +317,7 @@ def plan_run(options: RunOptions) -> RunPlan:
     """
     from autotune.models import resolve_model
 
+    planned_s = time.monotonic()  # the budget is the run's wall time: planning (a --trainer check) included
     make_strategy(options.strategy)  # an unknown name fails here, before anything is touched
     if options.isolation not in ISOLATION_MODES:
         raise UsageError(
@@ -423,6 +425,7 @@ def plan_run(options: RunOptions) -> RunPlan:
         trainer=user,
         objective=objective,
         baseline_source=baseline_source,
+        started_s=planned_s,
     )
     plan = dataclasses.replace(plan, expert=_expert(plan))
     if gpus and not isinstance(plan.storage, str):
@@ -867,7 +870,8 @@ def run_plan(
     and re-raises. The study and best.json never depend on the report: a report that cannot be
     written is a warning (:attr:`RunOutcome.report_error`).
     """
-    started_s = time.monotonic()  # the budget is the whole run's wall time: set-up included
+    # The budget is the whole run's wall time: planning and set-up included.
+    started_s = plan.started_s if plan.started_s is not None and not join else time.monotonic()
     if report_dir is not None:
         check_writable_dir(report_dir, "--report-dir")
     if best_json is not None:

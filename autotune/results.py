@@ -444,10 +444,13 @@ class TuneResult:
 
     def model_json(self) -> dict[str, Any]:
         """best.model.json: what loading the model takes (:class:`ModelLoadingArguments`): ``attn_implementation``,
-        and ``autotune_note`` for a LoRA study (the adapters the probes trained)."""
+        and ``autotune_note``: the best's speed-ups over the references this study measured, and for a LoRA study
+        the adapters the probes trained."""
         loading: dict[str, Any] = {"attn_implementation": self.best_kwargs()["attn_implementation"]}
-        peft_note = self.peft_note()
-        return {**loading, "autotune_note": peft_note} if peft_note else loading
+        speedups = self.speedups_line()
+        notes = [f"measured in study {self.study_name!r}: {speedups}" if speedups else "", self.peft_note() or ""]
+        note = "; ".join(n for n in notes if n)
+        return {**loading, "autotune_note": note} if note else loading
 
     def write_best_json(self, path: str | Path) -> Path:
         """Write best.json (the config class's fields) and, beside it, ``<stem>.model.json`` (:meth:`model_json`)."""
@@ -649,4 +652,4 @@ class ModelLoadingArguments:
     (best.json holds the config class's fields)."""
 
     attn_implementation: str = field(default="sdpa", metadata={"help": "from_pretrained(attn_implementation=...)"})
-    autotune_note: str | None = field(default=None, metadata={"help": "what else the configuration was measured with (LoRA adapters)"})
+    autotune_note: str | None = field(default=None, metadata={"help": "its speed-ups, and what else it was measured with (LoRA adapters)"})

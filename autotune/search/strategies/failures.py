@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from autotune.params import TrialParams
+from autotune.params import PARAM_NAMES, TrialParams
 from autotune.records import Probe, ProbeStatus
 from autotune.search.strategies.surrogate import BATCH, Grid
 
@@ -94,6 +94,12 @@ HIGHER_ORDER = 0.02  # a failure none of whose values or pairs is left to blame:
 MAX_ENUMERATED = 14  # causes enumerated exactly, the most suspected first
 MAX_WORLDS = 64  # the most likely worlds kept for predictions (their weight renormalised)
 
+def _pairable(dim: str) -> bool:
+    """A dimension whose values may fail together with another's: the PAIR_DIMS, and the user's own config fields
+    (TRL's padding_free fails without packing)."""
+    return dim in PAIR_DIMS or dim not in PARAM_NAMES
+
+
 Value = tuple[str, Any]
 Pair = tuple[Value, Value]
 Cause = tuple[Value, ...]  # one value, or two
@@ -135,7 +141,7 @@ class FailureModel:
         return values
 
     def pairs_of(self, params: TrialParams) -> list[Pair]:
-        dims = [d for d in self.dims if d in PAIR_DIMS]
+        dims = [d for d in self.dims if _pairable(d)]
         return [((a, getattr(params, a)), (b, getattr(params, b))) for a, b in itertools.combinations(dims, 2)]
 
     def suspects(self, params: TrialParams) -> list[Cause]:
@@ -199,7 +205,7 @@ class FailureModel:
         if self.shares_compilation and COMPILED not in self.cleared_values and (COMPILED,) not in enumerated:
             log_prior = log_prior + self._holds(grid, (COMPILED,)) * math.log1p(-self.kind.compiled_prior)
         known = set(enumerated) | {c for own in private for c in own}
-        for a, b in itertools.combinations([d for d in self.dims if d in PAIR_DIMS], 2):
+        for a, b in itertools.combinations([d for d in self.dims if _pairable(d)], 2):
             table = np.zeros((len(grid.values[a]), len(grid.values[b])))
             for i, va in enumerate(grid.values[a]):
                 for j, vb in enumerate(grid.values[b]):
@@ -216,7 +222,7 @@ class FailureModel:
                 inside = sum((holds[c] * w for c, w in zip(own, odds)), np.zeros(shape))
                 avoid.append(1.0 - inside / sum(odds))
             else:  # an interaction of three or more: the same code path fails again
-                avoid.append(1.0 - self._holds(grid, tuple((d, getattr(failed, d)) for d in self.dims if d in PAIR_DIMS)).astype(float))
+                avoid.append(1.0 - self._holds(grid, tuple((d, getattr(failed, d)) for d in self.dims if _pairable(d))).astype(float))
         suspects = [self.suspects(f) for f in self.failures]
         failure_masks = [sum(1 << enumerated.index(c) for c in causes if c in enumerated) for causes in suspects]
         survive = np.zeros(shape)
@@ -245,7 +251,7 @@ class FailureModel:
         """A failed configuration whose every suspect ``params`` holds (so it fails too), or ``None``."""
         mine = set(self.values_of(params))
         for failed in self.failures:
-            causes = self.suspects(failed) or [tuple((d, getattr(failed, d)) for d in self.dims if d in PAIR_DIMS)]
+            causes = self.suspects(failed) or [tuple((d, getattr(failed, d)) for d in self.dims if _pairable(d))]
             if all(all(v in mine for v in cause) for cause in causes):
                 return failed
         return None
