@@ -444,5 +444,9 @@ def test_trls_own_sft_script_is_tuned_with_packing_and_its_answer_loads_into_sft
     best = json.loads(json.dumps(result.best_json()))
     config = SFTConfig(output_dir=str(tmp_path / "out"), **best)  # the answer goes back into the user's class
     assert config.packing is True and config.max_length == 128 and config.per_device_train_batch_size == 8
+    # ... and into the script's own parser as a TRL config file (`python sft.py --config best.json`, `trl sft --config`).
+    path = result.write_best_json(tmp_path / "best.json")
+    parsed = _example("trl_sft", monkeypatch).make_parser().parse_args_and_config(["--config", str(path), "--output_dir", str(tmp_path)])
+    assert parsed[1].packing is True and parsed[1].per_device_train_batch_size == 8
     report = (tmp_path / f"{result.study_name}.html").read_text(encoding="utf-8")
     assert "your settings" in report and "the expert rule" in report and "SFTConfig(" in report
