@@ -15,7 +15,7 @@ from rich.text import Text
 
 from autotune.params import TrialParams
 from autotune.records import ProbeStatus
-from autotune.results import TuneResult, row_params
+from autotune.results import TuneResult, baseline_label, row_params
 from autotune.search.loop import TrialRecord
 from autotune.storage import describe as describe_storage
 from autotune.units import format_bytes, format_duration
@@ -121,9 +121,14 @@ def print_header(console: Console, plan: Any, resumed: int) -> None:
         counts = plan.parameters
         dtypes = counts.describe_dtypes()
         stored = f" (stored as {dtypes})" if dtypes else ""
+        length = (f"sequences up to {plan.seq_len} tokens (max_length)" if trainer.max_length == plan.seq_len
+                  else f"{plan.seq_len} tokens per sequence in the first batch")
+        real = f", {trainer.tokens_per_sequence:.1f} real tokens each" if trainer.tokens_per_sequence else ""
         console.print(f"  your {trainer.trainer_class.rsplit('.', 1)[-1]} from {trainer.ref.reference}: "
-                      f"{counts.trainable:,} of {counts.total:,} parameters trainable{stored}, first batch {plan.seq_len} tokens long",
-                      soft_wrap=True)
+                      f"{counts.trainable:,} of {counts.total:,} parameters trainable{stored}, {length}{real}", soft_wrap=True)
+        baseline = baseline_label(getattr(plan, "baseline_source", None))
+        console.print(f"  ranked by {plan.objective}/s; measured against {baseline} ({plan.baseline.short()}) and the expert rule "
+                      f"({plan.expert.short() if plan.expert else '-'})", soft_wrap=True)
         if trainer.args_changed:
             console.print(f"warning: {trainer.ref.function} changes TrainingArguments it is given ({', '.join(trainer.args_changed)}): "
                           "the probes measure what your Trainer runs, so those are not tuned", style="yellow", soft_wrap=True)

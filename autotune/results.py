@@ -344,7 +344,7 @@ class TuneResult:
     @property
     def baseline_label(self) -> str:
         """What the baseline is, for a sentence: ``your settings``, ``your --baseline``, ``transformers' defaults``."""
-        return {"user": "your settings", "file": "your --baseline"}.get(str(self.settings.get("baseline_source")), "transformers' defaults")
+        return baseline_label(self.settings.get("baseline_source"))
 
     @property
     def objective(self) -> str:
@@ -459,6 +459,11 @@ class TuneResult:
         _write_atomically(path, json.dumps(self.best_json(), indent=2) + "\n")
         _write_atomically(model_json_path(path), json.dumps(self.model_json(), indent=2) + "\n")
         return path
+
+
+def baseline_label(source: Any) -> str:
+    """What a study's baseline is (its ``baseline_source``), for a sentence."""
+    return {"user": "your settings", "file": "your --baseline"}.get(str(source), "transformers' defaults")
 
 
 def model_json_path(best_json: str | Path) -> Path:
