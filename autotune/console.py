@@ -126,12 +126,12 @@ def print_header(console: Console, plan: Any, resumed: int) -> None:
         real = f", {trainer.tokens_per_sequence:.1f} real tokens each" if trainer.tokens_per_sequence else ""
         console.print(f"  your {trainer.trainer_class.rsplit('.', 1)[-1]} from {trainer.ref.reference}: "
                       f"{counts.trainable:,} of {counts.total:,} parameters trainable{stored}, {length}{real}", soft_wrap=True)
-        baseline = baseline_label(getattr(plan, "baseline_source", None))
-        console.print(f"  ranked by {plan.objective}/s; measured against {baseline} ({plan.baseline.short()}) and the expert rule "
-                      f"({plan.expert.short() if plan.expert else '-'})", soft_wrap=True)
         if trainer.args_changed:
             console.print(f"warning: {trainer.ref.function} changes TrainingArguments it is given ({', '.join(trainer.args_changed)}): "
                           "the probes measure what your Trainer runs, so those are not tuned", style="yellow", soft_wrap=True)
+    if getattr(plan, "expert", None) is not None:
+        console.print(f"  ranked by {plan.objective}/s; the best is measured against {baseline_label(getattr(plan, 'baseline_source', None))} "
+                      f"({plan.baseline.short()}) and the expert rule ({plan.expert.short()})", soft_wrap=True)
     console.print(f"study '{plan.study_name}' in {describe_storage(plan.storage)}", style="dim")
     for dropped in plan.space.dropped:
         console.print(f"  dropped {dropped}", style="yellow")
