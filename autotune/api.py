@@ -319,6 +319,11 @@ def plan_run(options: RunOptions) -> RunPlan:
 
     planned_s = time.monotonic()  # the budget is the run's wall time: planning (a --trainer check) included
     make_strategy(options.strategy)  # an unknown name fails here, before anything is touched
+    if options.study is not None:
+        studies.check_study_name(options.study)
+    if options.storage is not None and isinstance(options.storage, str) and not options.storage.strip():
+        raise UsageError("--storage '' is empty: drop it for the default (sqlite:///autotune.db), or give a URL such as "
+                         "sqlite:///runs.db")
     if options.isolation not in ISOLATION_MODES:
         raise UsageError(
             f"--isolation {options.isolation!r} is not a way to start probes: use fork (the default, from a "
@@ -882,7 +887,7 @@ def run_plan(
                                 - finish_reserve_s(plan.settings.budget_s))
     if on_open:
         on_open(plan, finished_trials(study))
-    report_path = Path(report_dir) / f"{plan.study_name}.html" if report_dir is not None else None
+    report_path = Path(report_dir) / studies.report_file_name(plan.study_name) if report_dir is not None else None
     try:
         if plan.gpus:
             from autotune.workers import run_workers

@@ -444,7 +444,9 @@ def cmd_report(args: argparse.Namespace) -> int:
     from autotune.units import format_bytes
 
     result = load_result(args.study, args.storage)
-    path = write_report(result, args.output or Path("reports") / f"{args.study}.html")
+    from autotune.studies import report_file_name
+
+    path = write_report(result, args.output or Path("reports") / report_file_name(args.study))
     print(f"report: {path} ({format_bytes(path.stat().st_size)}, {len(result.trials)} trials)")
     return 0
 

@@ -18,6 +18,7 @@ import datetime
 import fcntl
 import json
 import os
+import re
 import socket
 import threading
 import time
@@ -238,6 +239,30 @@ def mismatch(existing: dict[str, Any], settings: dict[str, Any], must_match: Seq
     if before.get("kind") == "cuda" and memory_before and memory_now and memory_before != memory_now:
         return f"was measured on a {memory_before / 2**30:.1f} GiB {before.get('name')}, not a {memory_now / 2**30:.1f} GiB one"
     return None
+
+
+STUDY_NAME_MAX_CHARS = 128
+_STUDY_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+-]*")
+
+
+def check_study_name(name: str, flag: str = "--study") -> str:
+    """A study name a user gives: a name, never a path (it names the report file too).
+
+    Raises:
+        UsageError: empty, too long, or holding anything but letters, digits, ``.``, ``_``, ``+`` and ``-``
+            (a ``/`` or ``..`` would put the report outside ``--report-dir``).
+    """
+    if not name or len(name) > STUDY_NAME_MAX_CHARS or not _STUDY_NAME.fullmatch(name) or ".." in name:
+        shown = name if len(name) <= 40 else name[:37] + "..."
+        raise UsageError(f"{flag} {shown!r} is not a study name: use letters, digits, '.', '_', '+' and '-' "
+                         f"(at most {STUDY_NAME_MAX_CHARS}, not starting with '.', '-' or '+'), e.g. {flag} my-run")
+    return name
+
+
+def report_file_name(study_name: str) -> str:
+    """``<study>.html`` with anything that is not a plain name character replaced: a report stays in its folder."""
+    safe = re.sub(r"[^A-Za-z0-9._+-]", "_", study_name).lstrip(".") or "study"
+    return f"{safe[:STUDY_NAME_MAX_CHARS]}.html"
 
 
 def _brief(value: Any, chars: int = 80) -> str:

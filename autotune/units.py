@@ -34,7 +34,8 @@ def parse_duration_s(text: str | float | int) -> float:
 
 
 def parse_bytes(text: str | int, *, total_bytes: int | None = None) -> int:
-    """Parse ``40GiB``, ``16GB``, ``512MiB``, a bare byte count, or a fraction ``0.9`` of ``total_bytes``.
+    """Parse ``40GiB``, ``16GB``, ``512MiB``, ``16B``, an int of bytes, or a fraction ``0.9`` of ``total_bytes`` (a
+    text number without a unit is a fraction in (0, 1], else refused).
 
     Raises:
         BudgetError: if the text is not a positive size, or a fraction is given without a total.
@@ -49,12 +50,15 @@ def parse_bytes(text: str | int, *, total_bytes: int | None = None) -> int:
                 f"cannot read memory size {text!r}: write e.g. 40GiB, 16GB, 512MiB, or a fraction like 0.9"
             )
         number, unit = float(match.group(1)), match.group(2)
-        if not unit and number <= 1.0 and "." in raw:
+        if not unit and 0.0 < number <= 1.0:
             if total_bytes is None:
                 raise BudgetError(f"memory fraction {text!r} needs a known device memory: give bytes instead, e.g. 40GiB")
             value = int(number * total_bytes)
+        elif not unit:  # "16" is far more often 16 GiB meant than 16 bytes: a size without a unit is refused
+            raise BudgetError(f"memory size {text!r} has no unit: write {match.group(1)}GiB (or {match.group(1)}GB, "
+                              f"{match.group(1)}MiB), or a fraction of the device like 0.8")
         else:
-            value = int(number * _BYTE_UNITS[unit or "b"])
+            value = int(number * _BYTE_UNITS[unit])
     if value <= 0:
         raise BudgetError(f"memory size {text!r} must be positive, e.g. 40GiB")
     return value

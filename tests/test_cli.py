@@ -106,6 +106,15 @@ def _db_has_study(path: Path) -> bool:
         (["--effective-batch-size", "7", "--space", "quick"], "divides --effective-batch-size 7"),
         (["--device", "cuda"], "--device cuda asked for a GPU"),
         (["--storage", "nosuchdb://x"], "cannot open storage"),
+        (["--memory-ceiling", "16"], "memory size '16' has no unit: write 16GiB"),
+        (["--study", "../../escape"], "is not a study name"),
+        (["--study", "a/b"], "is not a study name"),
+        (["--study", ""], "is not a study name"),
+        (["--study", "-"], "is not a study name"),
+        (["--study", "x" * 600], "is not a study name"),
+        (["--trainer-args", "--lr 1"], "--trainer-args are the inputs of your --trainer factory"),
+        (["--objective", "tokenz"], "did you mean tokens?"),
+        (["--baseline", "missing.yaml"], "--baseline missing.yaml: no such file"),
     ],
 )
 def test_bad_input_is_one_line_exit_2_and_leaves_no_study(tmp_path, monkeypatch, capsys, args, expected) -> None:
@@ -116,6 +125,19 @@ def test_bad_input_is_one_line_exit_2_and_leaves_no_study(tmp_path, monkeypatch,
     assert err.startswith("autotune: error: ") and expected in err
     assert err.count("\n") == 1
     assert not _db_has_study(tmp_path / "a.db")
+
+
+def test_an_empty_storage_is_refused(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "--storage", ""]) == 2
+    assert "--storage '' is empty" in capsys.readouterr().err and not (tmp_path / "autotune.db").exists()
+
+
+def test_a_report_never_leaves_its_folder() -> None:
+    from autotune.studies import report_file_name
+
+    assert report_file_name("../../escape") == "_.._escape.html" and "/" not in report_file_name("a/b")
+    assert report_file_name("tiny-gptneox-seq128-cpu") == "tiny-gptneox-seq128-cpu.html"
 
 
 def test_invalid_space_file_lists_every_problem(tmp_path, capsys) -> None:

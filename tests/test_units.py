@@ -21,10 +21,17 @@ def test_bad_durations(text) -> None:
 
 @pytest.mark.parametrize(
     ("text", "num_bytes"),
-    [("40GiB", 40 * 2**30), ("16GB", 16 * 10**9), ("512MiB", 512 * 2**20), ("1024", 1024), ("0.5", 40 * 2**30)],
+    [("40GiB", 40 * 2**30), ("16GB", 16 * 10**9), ("512MiB", 512 * 2**20), ("1024B", 1024), (1024, 1024), ("0.5", 40 * 2**30),
+     ("1", 80 * 2**30)],
 )
 def test_bytes(text, num_bytes) -> None:
     assert parse_bytes(text, total_bytes=80 * 2**30) == num_bytes
+
+
+@pytest.mark.parametrize("text", ["16", "1.5", "40000000000"])
+def test_a_size_without_a_unit_is_refused_unless_a_fraction(text) -> None:
+    with pytest.raises(BudgetError, match=f"memory size '{text}' has no unit: write {text}GiB"):
+        parse_bytes(text, total_bytes=80 * 2**30)
 
 
 def test_fraction_needs_a_total() -> None:
