@@ -175,7 +175,7 @@ def bench(tables: list[str], strategies: list[str], seeds: int, budget_s: float,
     tasks, specs = [], []
     for spec in tables:
         path, _, ceiling_text = spec.partition(":")
-        ceiling = parse_bytes(ceiling_text or "40GiB")
+        ceiling = (int(ceiling_text) if ceiling_text.isdigit() else parse_bytes(ceiling_text or "40GiB"))  # TABLE:BYTES, or a size
         table = _table(path)
         true_best = table.best_under(ceiling)
         if true_best is None:

@@ -131,7 +131,7 @@ def table_world(spec: str) -> World:
     from autotune.search.replay import ReplayEvaluator, load_table
 
     path, _, ceiling_text = spec.partition(":")
-    ceiling = parse_bytes(ceiling_text or "40GiB")
+    ceiling = (int(ceiling_text) if ceiling_text.isdigit() else parse_bytes(ceiling_text or "40GiB"))  # TABLE:BYTES, or a size
     table = load_table(path)
     space = table.space()
     best = table.best_under(ceiling)
