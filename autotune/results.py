@@ -456,8 +456,8 @@ class TuneResult:
         """Write best.json (the config class's fields) and, beside it, ``<stem>.model.json`` (:meth:`model_json`)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        _write_atomically(path, json.dumps(self.best_json(), indent=2) + "\n")
-        _write_atomically(model_json_path(path), json.dumps(self.model_json(), indent=2) + "\n")
+        write_atomically(path, json.dumps(self.best_json(), indent=2) + "\n")
+        write_atomically(model_json_path(path), json.dumps(self.model_json(), indent=2) + "\n")
         return path
 
 
@@ -472,7 +472,7 @@ def model_json_path(best_json: str | Path) -> Path:
     return path.with_name(f"{path.stem}.model.json")
 
 
-def _write_atomically(path: Path, text: str) -> None:
+def write_atomically(path: Path, text: str) -> None:
     """The whole file or the old one: written beside it, then renamed over it (a full disk leaves no empty file)."""
     partial = path.with_name(f".{path.name}.partial")
     try:

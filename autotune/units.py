@@ -16,7 +16,7 @@ _BYTE_UNITS = {
 
 
 def parse_duration_s(text: str | float | int) -> float:
-    """Parse ``90s``, ``30m``, ``1.5h`` (or a bare number of seconds) into seconds.
+    """Parse ``90s``, ``30m``, ``1.5h`` (or a number of seconds, an int or float, not text) into seconds.
 
     Raises:
         BudgetError: if the text is not a positive duration.
@@ -27,7 +27,9 @@ def parse_duration_s(text: str | float | int) -> float:
         match = re.fullmatch(r"\s*(-?\d+(?:\.\d+)?)\s*([smh]?)\s*", str(text).lower())  # a sign: "-5m" must be positive
         if not match:
             raise BudgetError(f"cannot read duration {text!r}: write a number with s, m or h, e.g. 90s, 30m, 2h")
-        seconds = float(match.group(1)) * _DURATION_UNITS_S[match.group(2) or "s"]
+        if not match.group(2):  # "30" meant as minutes runs 30 seconds: a text duration says its unit
+            raise BudgetError(f"duration {text!r} has no unit: write {match.group(1)}m (minutes), {match.group(1)}s or {match.group(1)}h")
+        seconds = float(match.group(1)) * _DURATION_UNITS_S[match.group(2)]
     if seconds <= 0:
         raise BudgetError(f"duration {text!r} must be positive, e.g. 30m")
     return seconds

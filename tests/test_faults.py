@@ -248,3 +248,25 @@ print(run_isolated(spec, timeout_s=12).status.value)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.stdout.strip() == "timeout", done.stderr  # killed at its deadline, workers and all
     assert "leaked semaphore" not in done.stderr, done.stderr
+
+
+def test_a_full_disk_while_best_json_is_written_leaves_the_old_file_whole(tmp_path, monkeypatch) -> None:
+    from pathlib import Path
+
+    plan = plan_run(RunOptions(model="tiny-gptneox", space="quick", seq_len=32, device="cpu",
+                               storage=f"sqlite:///{tmp_path / 'a.db'}", study="s", n_trials=2))
+    result = run_plan(plan, evaluator=FakeEvaluator(), report_dir=None).result
+    target = tmp_path / "best.json"
+    target.write_text('{"old": true}\n', encoding="utf-8")
+    original = Path.write_text
+
+    def full_disk(self, data, *args, **kwargs):  # type: ignore[no-untyped-def]
+        original(self, data[: len(data) // 2], *args, **kwargs)  # half of it reached the disk
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        result.write_best_json(target)
+    monkeypatch.setattr(Path, "write_text", original)
+    assert json.loads(target.read_text(encoding="utf-8")) == {"old": True}
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no partial file left

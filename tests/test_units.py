@@ -8,12 +8,12 @@ from autotune.errors import BudgetError
 from autotune.units import format_bytes, format_duration, parse_bytes, parse_duration_s
 
 
-@pytest.mark.parametrize(("text", "seconds"), [("30m", 1800), ("90s", 90), ("1.5h", 5400), ("45", 45), (12, 12.0)])
+@pytest.mark.parametrize(("text", "seconds"), [("30m", 1800), ("90s", 90), ("1.5h", 5400), (45, 45), (12, 12.0)])
 def test_durations(text, seconds) -> None:
     assert parse_duration_s(text) == seconds
 
 
-@pytest.mark.parametrize("text", ["30 minutes", "m", "-5m", "0s", "1d"])
+@pytest.mark.parametrize("text", ["30 minutes", "m", "-5m", "0s", "1d", "30"])
 def test_bad_durations(text) -> None:
     with pytest.raises(BudgetError):
         parse_duration_s(text)

@@ -88,8 +88,11 @@ def render_report(result: TuneResult) -> str:
 
 
 def write_report(result: TuneResult, path: str | Path) -> Path:
-    """Write the report to ``path`` (folders created); returns the path."""
+    """Write the report to ``path`` (folders created), whole or not at all (a full disk or Ctrl-C leaves the old one);
+    returns the path."""
+    from autotune.results import write_atomically
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render_report(result), encoding="utf-8")
+    write_atomically(path, render_report(result))
     return path
