@@ -241,6 +241,9 @@ def family_search(strategy: Any, draw: int, budget_s: float, seed: int, log: lis
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     landscape = _landscape(draw)
     true_params, true_sps = landscape.true_best()
+    expert = expert_of(landscape)
+    expert_out = landscape.noise_free(expert)
+    expert_ratio = float(expert_out.samples_per_s[0]) / true_sps if landscape.fits(expert_out)[0] else 0.0
     if evaluator is None:
         evaluator = FamilyEvaluator(landscape, log=log, noise_stream=noise_stream)
     chosen = make_strategy(strategy) if isinstance(strategy, str) else strategy
@@ -254,7 +257,7 @@ def family_search(strategy: Any, draw: int, budget_s: float, seed: int, log: lis
         "strategy": chosen.name, "draw": draw, "budget_s": budget_s, "seed": seed, "ratio": 0.0, "over_ceiling": 0,
         "oom_probes": evaluator.oom_probes, "probes": outcome.probes_run, "pruned": outcome.pruned,
         "virtual_s": evaluator.clock.now(), "cpu_s": round(cpu_s, 3), "found": "", "true_best": true_params.short(),
-        "measured_ratio": 0.0,
+        "measured_ratio": 0.0, "expert_ratio": expert_ratio, "below_expert": 0,
     }
     # Each configuration the search ranked, noise-free; the best of those that fit is what a pick free
     # of noise would have returned (no less than the found ratio wherever the found one fits).
@@ -265,7 +268,17 @@ def family_search(strategy: Any, draw: int, budget_s: float, seed: int, log: lis
         row["ratio"] = float(found.samples_per_s[0]) / true_sps
         row["over_ceiling"] = int(not landscape.fits(found)[0])
         row["found"] = ranked[0].params.short()
+    row["below_expert"] = int(row["ratio"] < expert_ratio)
     return row
+
+
+def expert_of(landscape: Any) -> Any:
+    """The expert rule's configuration on a drawn landscape (:func:`autotune.search.expert.expert_params`),
+    its batch the largest whose noise-free peak fits: the landscape stands in for the analytic memory
+    model a real run has (model dimensions), which a replay's own memory model lacks."""
+    from autotune.search.expert import expert_params
+
+    return expert_params(landscape.space, landscape.space.baseline(), landscape, landscape.ceiling_bytes)
 
 
 _LANDSCAPES: dict[int, Any] = {}
@@ -320,6 +333,11 @@ def family_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, 
                 "nothing_found": int(sum(not r["found"] for r in mine)),
                 "probes_mean": round(statistics.fmean(r["probes"] for r in mine), 1),
                 "cpu_s_per_search": round(statistics.fmean(r["cpu_s"] for r in mine), 3),
+                # #44: the returned configuration below the expert rule's own (noise-free, where it runs and fits)
+                "below_expert": int(sum(r["below_expert"] for r in mine)),
+                "below_expert_fraction": round(statistics.fmean(r["below_expert"] for r in mine), 4),
+                "expert_median_ratio": round(float(np.median([r["expert_ratio"] for r in mine])), 4),
+                "expert_fails": int(sum(r["expert_ratio"] == 0.0 for r in mine)),
             }
     return summary
 
@@ -331,7 +349,8 @@ def _interval(bounds: list[float]) -> str:
 def print_family(summary: dict[str, dict[str, dict[str, Any]]], family: str, draws: int) -> None:
     print(f"family {family}: {draws} draws, one search per strategy, draw and budget")
     header = (f"{'strategy':<9} {'budget':>6} {'median':>7} {'p5':>7} {'p5 90% bootstrap':>17} {'worst':>7} {'<0.95':>6} {'OOMs':>6} {'OOM/run':>8} "
-              f"{'over ceiling':>13} {'none found':>11} {'probes/run':>11} {'cpu s/run':>10} {'measured p5':>12} {'<0.95 measured':>15}")
+              f"{'over ceiling':>13} {'none found':>11} {'probes/run':>11} {'cpu s/run':>10} {'measured p5':>12} {'<0.95 measured':>15} "
+              f"{'<expert':>8} {'expert median':>14} {'expert fails':>13}")
     print(header)
     print("-" * len(header))
     for strategy, budgets in summary.items():
@@ -340,7 +359,8 @@ def print_family(summary: dict[str, dict[str, dict[str, Any]]], family: str, dra
                 f"{strategy:<9} {budget:>6} {f['median_ratio']:>7.3f} {f['p5_ratio']:>7.3f} {_interval(f['p5_ratio_90']):>17} "
                 f"{f['worst_ratio']:>7.3f} {f['below_095']:>6} "
                 f"{f['oom_probes_total']:>6} {f['oom_probes_mean']:>8.2f} {f['returned_over_ceiling']:>13} {f['nothing_found']:>11} "
-                f"{f['probes_mean']:>11.1f} {f['cpu_s_per_search']:>10.3f} {f['measured_p5_ratio']:>12.3f} {f['below_095_measured']:>15}"
+                f"{f['probes_mean']:>11.1f} {f['cpu_s_per_search']:>10.3f} {f['measured_p5_ratio']:>12.3f} {f['below_095_measured']:>15} "
+                f"{f['below_expert_fraction']:>8.1%} {f['expert_median_ratio']:>14.3f} {f['expert_fails']:>13}"
             )
 
 
