@@ -462,3 +462,29 @@ def test_the_expert_batch_is_the_largest_the_memory_model_says_fits(fake_gpu) ->
         fake_gpu, effective_batch_size=32)
     # Under a fixed effective batch of 32 only divisors of it are candidates: 24 is not one.
     assert expert_params(fixed, baseline_params(32, (8, 16, 24, 32)), Memory(), 40 * GiB).per_device_train_batch_size == 16
+
+
+def test_a_tie_goes_to_the_prior_not_to_chance() -> None:
+    """#44: within the noise of the fastest, the expert rule's preferences decide (16-bit over fp32),
+    then the mean; beyond it, speed alone."""
+    from autotune.records import Probe
+    from autotune.search.ranking import near_ties, rank_configurations
+
+    def probe(number: int, sps: float, **changes) -> Probe:
+        params = TrialParams(per_device_train_batch_size=16, dataloader_num_workers=2).replace(**changes)
+        return Probe(number, params, ProbeResult(status="ok", samples_per_s=sps, peak_mem_bytes=GiB, wall_s=30.0))
+
+    # The loader sets the pace: every precision measures alike, fp32 luckiest; bf16 is returned.
+    tied = [probe(0, 101.0, precision="fp32"), probe(1, 100.0, precision="tf32"), probe(2, 99.5, precision="bf16"),
+            probe(3, 99.8, precision="fp16"), probe(4, 80.0, precision="bf16", per_device_train_batch_size=8)]
+    ranked = rank_configurations(tied, 40 * GiB)
+    assert [c.params.precision for c in ranked] == ["bf16", "fp16", "tf32", "fp32", "bf16"]
+    assert ranked[-1].params.per_device_train_batch_size == 8  # outside the noise: ranked by speed
+    assert {c.params.precision for c in near_ties(ranked)} == {"bf16", "fp16", "tf32"}  # the three contenders, fastest in the band
+    # Beyond the noise band speed wins, whatever the prior says.
+    apart = rank_configurations([probe(0, 110.0, precision="fp32"), probe(1, 100.0, precision="bf16")], 40 * GiB)
+    assert [c.params.precision for c in apart] == ["fp32", "bf16"]
+    # Within one precision the mean decides among equals of the prior (batch and workers are not ordered by it).
+    same = rank_configurations([probe(0, 100.0, precision="bf16"), probe(1, 101.0, precision="bf16", dataloader_num_workers=4)], 40 * GiB)
+    assert same[0].params.dataloader_num_workers == 4
+

@@ -7,8 +7,13 @@ results are per **configuration**, not per probe:
   ``crash``, ``diverged``: :meth:`~autotune.records.ProbeStatus.is_measured`) finished under the
   memory ceiling (:meth:`~autotune.records.ProbeResult.fits`): one OOM and it does not fit, however
   often it fitted otherwise. Timeouts (often cut short by the budget) say nothing and are left out;
-* configurations that fit are **ranked** by the mean samples/s of their probes, fastest first, ties
-  broken by their first trial (the one found first ranks first).
+* configurations that fit are **ranked** by the mean samples/s of their probes, fastest first;
+* **ties go to the prior, not to chance**: the configurations within the noise of the fastest
+  (:func:`tie_band`) are ordered by the expert rule's preferences (:func:`prior_rank`: 16-bit over
+  tf32 and fp32, bf16 over fp16, the fastest standard attention kernel, fused AdamW, compiled with
+  inductor's default mode, no checkpointing, no accumulation), then by their mean; so a loader that
+  makes every precision measure alike returns the 16-bit one, not whichever noise put first. Exact
+  ties left after that go to the first trial (the one found first ranks first).
 
 Near-ties (:func:`near_ties`) are the configurations within the noise of the best
 (:func:`noise_band`): the search measures each once more before it declares a best. A
@@ -18,6 +23,7 @@ configuration whose probes disagree by more than that band is :attr:`Configurati
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -25,8 +31,13 @@ from typing import Any
 
 from autotune.params import TrialParams
 from autotune.records import Probe
+from autotune.search.expert import EXPERT_PREFERENCES
 
 NOISE_BAND_MIN_REL = 0.02  # near-tie floor: see noise_band
+# The expert rule's preferences (autotune.search.expert, most preferred first) that order a tie; a value
+# not listed ranks after the listed ones. Precision first: a tie across precisions goes to 16 bits.
+PRIOR_ORDER = ("precision", "attn_implementation", "optim", "torch_compile", "gradient_checkpointing",
+               "gradient_accumulation_steps", "use_liger_kernel")
 MAX_CONTENDERS = 3  # near-ties re-measured at the end of a search, the best included
 
 
@@ -50,7 +61,8 @@ class Configuration:
 
 
 def rank_configurations(probes: Iterable[Probe], ceiling_bytes: int | None) -> list[Configuration]:
-    """The configurations that fit under ``ceiling_bytes`` (every measured probe fits), fastest mean first."""
+    """The configurations that fit under ``ceiling_bytes`` (every measured probe fits), fastest mean first,
+    those within the noise of the fastest (:func:`tie_band`) in the prior's order (:func:`prior_rank`)."""
     groups: dict[tuple[Any, ...], list[Probe]] = {}
     for probe in probes:
         if probe.result.status.is_measured():
@@ -74,7 +86,32 @@ def rank_configurations(probes: Iterable[Probe], ceiling_bytes: int | None) -> l
             trials=tuple(p.number for p in group),
             spread_rel=(max(speeds) - min(speeds)) / mean if mean > 0 else 0.0,
         ))
-    return sorted(configurations, key=lambda c: (-c.mean_samples_per_s, c.number))
+    by_speed = sorted(configurations, key=lambda c: (-c.mean_samples_per_s, c.number))
+    if not by_speed:
+        return by_speed
+    fastest = by_speed[0]
+    tied = [c for c in by_speed if fastest.mean_samples_per_s - c.mean_samples_per_s <= tie_band(fastest, c) * fastest.mean_samples_per_s]
+    tied.sort(key=lambda c: (prior_rank(c.params), -c.mean_samples_per_s, c.number))
+    members = {id(c) for c in tied}
+    return tied + [c for c in by_speed if id(c) not in members]
+
+
+def prior_rank(params: TrialParams) -> tuple[int, ...]:
+    """How the prior orders a configuration among near-equals: per :data:`PRIOR_ORDER`, the place of its
+    value in the expert rule's preferences (lower first; an unlisted value after every listed one)."""
+    values = params.to_dict()
+    rank = []
+    for name in PRIOR_ORDER:
+        preferred = EXPERT_PREFERENCES.get(name, ())
+        value = values.get(name)
+        rank.append(preferred.index(value) if value in preferred else len(preferred))
+    return tuple(rank)
+
+
+def tie_band(a: Configuration, b: Configuration) -> float:
+    """The relative gap under which ``a`` and ``b`` measure alike: :func:`noise_band`, narrowed by the
+    square root of the fewer measurements of the two (a mean of n probes is that much less noisy)."""
+    return noise_band(a.ci95_rel, b.ci95_rel) / math.sqrt(min(a.n_measurements, b.n_measurements))
 
 
 def noise_band(ci95_rel_a: float | None, ci95_rel_b: float | None) -> float:
@@ -97,8 +134,8 @@ def near_ties(ranked: list[Configuration]) -> list[Configuration]:
     """
     if not ranked:
         return []
-    best = ranked[0]
-    contenders = [best] + [
+    best = max(ranked, key=lambda c: c.mean_samples_per_s)  # the fastest (a tie may rank a preferred one first)
+    contenders = [ranked[0]] + [
         c for c in ranked[1:]
         if best.mean_samples_per_s - c.mean_samples_per_s <= noise_band(best.ci95_rel, c.ci95_rel) * best.mean_samples_per_s
     ]
