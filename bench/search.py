@@ -250,7 +250,8 @@ def family_search(strategy: Any, draw: int, budget_s: float, seed: int, log: lis
     study = optuna.create_study(direction="maximize", sampler=chosen.sampler(seed))
     settings = SearchSettings(memory_ceiling_bytes=landscape.ceiling_bytes, budget_s=budget_s, seed=seed, min_probe_s=1.0)
     started = time.process_time()
-    outcome = run_search(study, landscape.space, evaluator, settings, baseline=landscape.space.baseline(), clock=evaluator.clock, strategy=chosen)
+    outcome = run_search(study, landscape.space, evaluator, settings, baseline=landscape.space.baseline(), expert=expert,
+                         clock=evaluator.clock, strategy=chosen)
     cpu_s = time.process_time() - started
     ranked = ranked_configurations(study, landscape.ceiling_bytes)
     row: dict[str, Any] = {

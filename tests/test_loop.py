@@ -488,3 +488,29 @@ def test_a_tie_goes_to_the_prior_not_to_chance() -> None:
     same = rank_configurations([probe(0, 100.0, precision="bf16"), probe(1, 101.0, precision="bf16", dataloader_num_workers=4)], 40 * GiB)
     assert same[0].params.dataloader_num_workers == 4
 
+
+def test_a_crashing_expert_gets_its_nearest_runnable_neighbour_measured(fake_gpu) -> None:
+    """#44: the expert configuration crashes (bf16 at start-up); the loop measures its neighbours, the
+    other 16-bit format first, until one runs under the ceiling, then leaves the rest to the strategy."""
+    from autotune.search.expert import expert_params
+
+    space = _space(precision=["fp32", "fp16", "bf16"], optim=["adamw_torch", "adamw_torch_fused"]).restrict(fake_gpu)
+    expert = expert_params(space, baseline_params(), None, 40 * GiB)
+    assert expert.precision == "bf16" and expert.per_device_train_batch_size == 64
+    fake = FakeEvaluator(oom_above_bytes=40 * GiB, fail_on={(64, "bf16"): "crash"})
+    run_search(_study(), space, fake, SearchSettings(memory_ceiling_bytes=40 * GiB, n_trials=4), baseline=baseline_params(),
+               expert=expert, clock=fake.clock)
+    assert fake.calls[1] == expert and fake.calls[2] == expert.replace(precision="fp16")  # it runs: no further neighbour
+
+
+def test_an_expert_out_of_memory_is_followed_by_a_smaller_batch(fake_gpu) -> None:
+    from autotune.search.expert import expert_fallback
+
+    space = _space().restrict(fake_gpu)
+    expert = TrialParams(per_device_train_batch_size=64, precision="bf16")
+    oom = ProbeResult(status="oom", error="OutOfMemoryError", wall_s=30.0)
+    ok = ProbeResult(status="ok", samples_per_s=10.0, peak_mem_bytes=GiB, wall_s=30.0)
+    assert expert_fallback(space, expert, {}, None, 40 * GiB) == expert  # not asked yet
+    smaller = expert_fallback(space, expert, {expert.key(): oom}, None, 40 * GiB)
+    assert smaller == expert.replace(per_device_train_batch_size=32)  # half of it
+    assert expert_fallback(space, expert, {expert.key(): oom, smaller.key(): ok}, None, 40 * GiB) is None
