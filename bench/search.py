@@ -19,7 +19,8 @@
     python -m bench.search --family heldout15 --draws 200 --budgets 10m,30m,60m # a fifteenth, run once on round 22's strategy
     python -m bench.search --family heldout16 --draws 200 --budgets 10m,30m,60m # a sixteenth, run once on round 22's final strategy (V25)
     python -m bench.search --family heldout17 --draws 200 --budgets 30m       # a seventeenth, run once on round 22's final strategy (a second check)
-    python -m bench.search --family heldout18 --draws 200 --budgets 10m,30m,60m # an eighteenth, untouched until the next design is frozen
+    python -m bench.search --family heldout18 --draws 200 --budgets 10m,30m,60m # an eighteenth: design data since #44 was filed
+    python -m bench.search --family heldout19 --draws 200 --budgets 30m --strategies bayes,tpe --processes 1 # #44's held-out range (family version 2), run once
     python -m bench.search --family design --draws 400 --budgets 30m --strategies bayes --details after.csv
     python -m bench.search --compare before.csv after.csv    # paired, draw by draw, with the 5th percentile's bootstrap interval
     python -m bench.search --family design --draws 400 --budgets 30m --strategies bayes --noise-stream 1  # the same, other probe noise
@@ -41,8 +42,10 @@ strategy), ``heldout12`` = draws 1200000-1200199 (defined after round 17, run on
 ``heldout13`` = draws 1300000-1300199 (run once after round 19); ``heldout14`` = draws 1400000-1400199 (run once after round 20); ``heldout15`` = draws 1500000-1500199
 (defined after round 20, run once after round 22); ``heldout16`` = draws 1600000-1600199 (defined in round 22, run once on its final strategy);
 ``heldout17`` = draws 1700000-1700199 (run once on it too, a second check); ``heldout18`` = draws
-1800000-1800199 (defined after that; untouched). All nineteen come
-from the same frozen generator (``bench.family.FAMILY_VERSION``); ``heldout2`` to ``heldout18`` are defined here
+1800000-1800199 (run once when #44 was filed: design data since); ``heldout19`` = draws 1900000-1900199
+(defined with family version 2 for #44, untouched until its final code). Each range is drawn by the
+generator of its time (``bench.family.FAMILY_VERSION``, part of every draw's seed: version 2 redrew them
+all); ``heldout2`` to ``heldout19`` are defined here
 (``heldoutN`` starts at draw N x 100,000), not in ``bench.family``.
 
 Family mode runs one search per strategy, draw and budget (separate searches, seed = the draw's
@@ -104,7 +107,7 @@ GPU_SEEDS = 5  # family mode: seeds per GPU-recorded table and budget
 # Further held-out ranges: heldoutN starts at draw N x bench.family.RANGE_SPAN (heldout, from
 # bench.family, is the first). Each was added when the one before it had been seen, and is run once a
 # design is frozen.
-LAST_HELDOUT = 18  # heldout18 (1800000-...) is untouched: defined in round 22, for the next design
+LAST_HELDOUT = 19  # heldout19 (1900000-...): defined for #44 (family version 2), run once on its final code
 LOW_RATIO = 0.95  # #14's target for the 5th percentile: draws below it are counted ("<0.95")
 CHANGED = 0.005  # --compare: a draw whose ratio moved more than this changed
 BOOTSTRAP_RESAMPLES = 2000
@@ -121,7 +124,7 @@ def noise_stream_problem(stream: int) -> str | None:
 
 
 def family_ranges() -> dict[str, int]:
-    """``{range name: first draw}``: ``design``, ``heldout`` (from bench.family), ``heldout2`` to ``heldout18``."""
+    """``{range name: first draw}``: ``design``, ``heldout`` (from bench.family), ``heldout2`` to ``heldout19``."""
     from bench.family import RANGE_SPAN, RANGES
 
     return {**RANGES, **{f"heldout{n}": n * RANGE_SPAN for n in range(2, LAST_HELDOUT + 1)}}
@@ -160,9 +163,38 @@ def _table(path: str) -> Any:
     return _TABLES[path]
 
 
+class TableMemory:
+    """A replay table's recorded peaks as the memory model :func:`autotune.search.expert.expert_params`
+    reads (``largest_batch_that_fits``): the analytic model a real run has stands in for what was measured."""
+
+    def __init__(self, table: Any) -> None:
+        self.table = table
+
+    def largest_batch_that_fits(self, params: Any, batch_sizes: Any, ceiling_bytes: int) -> int | None:
+        fitting = None
+        for batch in sorted(batch_sizes):
+            row = self.table.row(params.replace(per_device_train_batch_size=batch))
+            if row is None or row["status"] == "oom" or (row["peak_mem_bytes"] == row["peak_mem_bytes"] and row["peak_mem_bytes"] > ceiling_bytes):
+                break  # out of memory, or over the ceiling (a peak that is NaN, a crash's, says nothing)
+            fitting = batch
+        return fitting
+
+
+def table_expert(table: Any, ceiling_bytes: int) -> Any:
+    """The expert rule's configuration in a replay table's space, its batch from the table's recorded peaks."""
+    from autotune.search.expert import expert_params
+
+    space = table.space()
+    default = space.baseline()
+    base = default if space.contains(default) else space.complete({n: space.choices[n][0] for n in space.free_params})
+    return expert_params(space, base, TableMemory(table), ceiling_bytes)
+
+
 def _table_task(task: tuple[str, int, float, str, int]) -> Any:
     path, ceiling, budget_s, strategy, seed = task
-    return replay_search(_table(path), budget_s=budget_s, memory_ceiling_bytes=ceiling, strategy=strategy, seed=seed)
+    table = _table(path)
+    return replay_search(table, budget_s=budget_s, memory_ceiling_bytes=ceiling, strategy=strategy, seed=seed,
+                         expert=table_expert(table, ceiling))
 
 
 def bench(tables: list[str], strategies: list[str], seeds: int, budget_s: float, processes: int = 1) -> dict[str, Any]:
@@ -176,13 +208,15 @@ def bench(tables: list[str], strategies: list[str], seeds: int, budget_s: float,
         true_best = table.best_under(ceiling)
         if true_best is None:
             raise SystemExit(f"{path}: no configuration fits under {format_bytes(ceiling)}")
-        specs.append((table, ceiling, float(true_best["samples_per_s"]), float(table.frame["probe_s"].sum())))
+        row = table.row(table_expert(table, ceiling))
+        expert_sps = float(row["samples_per_s"]) if row is not None and row["status"] == "ok" and row["peak_mem_bytes"] <= ceiling else 0.0
+        specs.append((table, ceiling, float(true_best["samples_per_s"]), float(table.frame["probe_s"].sum()), expert_sps))
         tasks += [(path, ceiling, budget_s, strategy, seed) for strategy in strategies for seed in range(seeds)]
     runs = iter(_map(_table_task, tasks, processes))
-    for table, ceiling, true_best_sps, grid_s in specs:
-        summary[table.name] = {"ceiling_bytes": ceiling, "true_best_samples_per_s": true_best_sps}
+    for table, ceiling, true_best_sps, grid_s, expert_sps in specs:
+        summary[table.name] = {"ceiling_bytes": ceiling, "true_best_samples_per_s": true_best_sps, "expert_ratio": round(expert_sps / true_best_sps, 4)}
         for strategy in strategies:
-            ratios, fractions, ooms, pruned, remeasures, over = [], [], [], [], [], 0
+            ratios, fractions, ooms, pruned, remeasures, over, below = [], [], [], [], [], 0, 0
             for _ in range(seeds):
                 outcome = next(runs)
                 ratios.append((outcome.best_samples_per_s or 0.0) / true_best_sps)
@@ -191,6 +225,7 @@ def bench(tables: list[str], strategies: list[str], seeds: int, budget_s: float,
                 pruned.append(outcome.pruned)
                 remeasures.append(outcome.remeasures)
                 over += int(outcome.best_peak_mem_bytes is not None and outcome.best_peak_mem_bytes > ceiling)
+                below += int((outcome.best_samples_per_s or 0.0) < expert_sps)
             summary[table.name][strategy] = {
                 "median_ratio": round(statistics.median(ratios), 4),
                 "worst_ratio": round(min(ratios), 4),
@@ -200,6 +235,7 @@ def bench(tables: list[str], strategies: list[str], seeds: int, budget_s: float,
                 "pruned_median": statistics.median(pruned),
                 "remeasures_median": statistics.median(remeasures),
                 "returned_over_ceiling": over,
+                "below_expert": below,
                 "seeds": seeds,
             }
     return summary
@@ -207,7 +243,7 @@ def bench(tables: list[str], strategies: list[str], seeds: int, budget_s: float,
 
 def print_table(summary: dict[str, Any], budget_s: float) -> None:
     print(f"budget {budget_s / 60:.0f} virtual minutes per run")
-    header = f"{'table':<28} {'strategy':<9} {'median':>7} {'worst':>7} {'time/grid':>10} {'OOMs':>6} {'OOM/run':>8} {'pruned/run':>11} {'re-meas/run':>12} {'over ceiling':>13}"
+    header = f"{'table':<28} {'strategy':<9} {'median':>7} {'worst':>7} {'time/grid':>10} {'OOMs':>6} {'OOM/run':>8} {'pruned/run':>11} {'re-meas/run':>12} {'over ceiling':>13} {'<expert':>8}"
     print(header)
     print("-" * len(header))
     for table, figures in summary.items():
@@ -217,7 +253,7 @@ def print_table(summary: dict[str, Any], budget_s: float) -> None:
             print(
                 f"{table:<28} {strategy:<9} {f['median_ratio']:>7.3f} {f['worst_ratio']:>7.3f} "
                 f"{f['median_time_fraction']:>10.5%} {f['oom_probes_total']:>6} {f['oom_probes_median']:>8} "
-                f"{f['pruned_median']:>11} {f['remeasures_median']:>12} {f['returned_over_ceiling']:>13}"
+                f"{f['pruned_median']:>11} {f['remeasures_median']:>12} {f['returned_over_ceiling']:>13} {f['below_expert']:>8}"
             )
 
 
@@ -300,7 +336,7 @@ def _family_task(task: tuple[str, int, float, int, int]) -> dict[str, Any]:
 
 
 def bench_family(family: str, draws: int, strategies: list[str], budgets_s: list[float], processes: int, noise_stream: int = 0) -> list[dict[str, Any]]:
-    """Every strategy x budget on ``draws`` landscapes of the range ``family`` (``design``, ``heldout``, ``heldout2`` to ``heldout18``)."""
+    """Every strategy x budget on ``draws`` landscapes of the range ``family`` (``design``, ``heldout``, ``heldout2`` to ``heldout19``)."""
     start = family_ranges()[family]
     tasks = [(strategy, start + i, budget_s, i, noise_stream) for i in range(draws) for strategy in strategies for budget_s in budgets_s]
     return _map(_family_task, tasks, processes, chunksize=max(1, len(strategies) * len(budgets_s)))
