@@ -474,13 +474,18 @@ def test_a_tie_goes_to_the_prior_not_to_chance() -> None:
         params = TrialParams(per_device_train_batch_size=16, dataloader_num_workers=2).replace(**changes)
         return Probe(number, params, ProbeResult(status="ok", samples_per_s=sps, peak_mem_bytes=GiB, wall_s=30.0))
 
-    # The loader sets the pace: every precision measures alike, fp32 luckiest; bf16 is returned.
+    # The loader sets the pace: every precision measures alike, fp32 luckiest; a 16-bit one is returned
+    # (the faster of the two 16-bit formats: the prior ranks precisions by class, 16-bit, tf32, fp32).
     tied = [probe(0, 101.0, precision="fp32"), probe(1, 100.0, precision="tf32"), probe(2, 99.5, precision="bf16"),
             probe(3, 99.8, precision="fp16"), probe(4, 80.0, precision="bf16", per_device_train_batch_size=8)]
     ranked = rank_configurations(tied, 40 * GiB)
-    assert [c.params.precision for c in ranked] == ["bf16", "fp16", "tf32", "fp32", "bf16"]
+    assert [c.params.precision for c in ranked] == ["fp16", "bf16", "tf32", "fp32", "bf16"]
     assert ranked[-1].params.per_device_train_batch_size == 8  # outside the noise: ranked by speed
-    assert {c.params.precision for c in near_ties(ranked)} == {"bf16", "fp16", "tf32"}  # the three contenders, fastest in the band
+    assert {c.params.precision for c in near_ties(ranked)} == {"bf16", "fp16", "tf32"}  # the three contenders in the prior's order
+    # Among equals of the precision class, the attention kernel and the optimizer: the expert rule's order.
+    kernels = rank_configurations([probe(0, 100.0, precision="bf16", attn_implementation="eager"),
+                                   probe(1, 99.0, precision="bf16", attn_implementation="sdpa")], 40 * GiB)
+    assert kernels[0].params.attn_implementation == "sdpa"
     # Beyond the noise band speed wins, whatever the prior says.
     apart = rank_configurations([probe(0, 110.0, precision="fp32"), probe(1, 100.0, precision="bf16")], 40 * GiB)
     assert [c.params.precision for c in apart] == ["fp32", "bf16"]
