@@ -519,3 +519,7 @@ def test_an_expert_out_of_memory_is_followed_by_a_smaller_batch(fake_gpu) -> Non
     smaller = expert_fallback(space, expert, {expert.key(): oom}, None, 40 * GiB)
     assert smaller == expert.replace(per_device_train_batch_size=32)  # half of it
     assert expert_fallback(space, expert, {expert.key(): oom, smaller.key(): ok}, None, 40 * GiB) is None
+    # At the smallest batch: checkpointing and the optimizer with the least state the space holds, together.
+    small = expert.replace(per_device_train_batch_size=8)
+    frugal_space = _space(optim=["adamw_torch_fused", "adamw_bnb_8bit", "adafactor"]).restrict(fake_gpu)
+    assert expert_fallback(frugal_space, small, {small.key(): oom}, None, 40 * GiB) == small.replace(gradient_checkpointing=True, optim="adafactor")

@@ -66,8 +66,11 @@ def expert_params(space: SearchSpace, base: TrialParams, memory: Any, ceiling_by
 # ---------------------------------------------------------------------- its nearest runnable neighbours
 
 MAX_FALLBACK_PROBES = 6  # neighbours of a failed expert configuration measured at most, before the strategy takes over
-# Settings that need less memory, tried in this order once the batch cannot shrink further.
-FRUGAL_CHANGES: tuple[tuple[str, Any], ...] = (("gradient_checkpointing", True), ("optim", "adamw_bnb_8bit"), ("optim", "adafactor"))
+# Settings that need less memory, taken together once the batch cannot shrink further (the optimizer: the
+# first the space holds, least state first): one step to the frugal end, where a strategy that found
+# nothing running starts too (tried one at a time, on the design draws the first fits sat at batch 1
+# without checkpointing, and the memory model read them as room for batch 64: an out-of-memory run).
+FRUGAL_CHANGES: dict[str, tuple[Any, ...]] = {"gradient_checkpointing": (True,), "optim": ("adafactor", "adamw_bnb_8bit")}
 # The dimensions a crash or a divergence may come from, each stepped one place down its preferences.
 SUSPECTS = ("precision", "attn_implementation", "optim", "torch_compile")
 
@@ -79,7 +82,7 @@ def expert_fallback(space: SearchSpace, expert: TrialParams, outcomes: Mapping[t
     Neighbours are visited nearest first (breadth first from the expert), each failed one expanded by
     what its failure suggests: out of memory (or over the ceiling) a smaller batch (the largest
     ``memory`` predicts to fit below the failed one, else half of it), at the smallest batch
-    checkpointing or an optimizer with less state; a crash or a divergence each suspect dimension
+    checkpointing and the optimizer with the least state together; a crash or a divergence each suspect dimension
     one step down the expert's preferences (the other 16-bit format, the next attention kernel, the
     unfused optimizer, uncompiled), uncompiled first where the failure came after start-up (while
     compiling or training), the precision first where the loss diverged.
@@ -125,8 +128,10 @@ def _neighbours(space: SearchSpace, node: TrialParams, result: ProbeResult | Non
             fits = memory.largest_batch_that_fits(node, smaller, ceiling_bytes) if memory is not None else None
             found.append(space.with_changes(node, per_device_train_batch_size=fits or max(b for b in smaller if b <= max(batch // 2, min(smaller)))))
         else:
-            found += [space.with_changes(node, **{name: value}) for name, value in FRUGAL_CHANGES
-                      if value in space.choices.get(name, ()) and getattr(node, name) != value]
+            frugal = {name: next(v for v in values if v in space.choices[name]) for name, values in FRUGAL_CHANGES.items()
+                      if any(v in space.choices.get(name, ()) for v in values)}
+            if any(getattr(node, name) != value for name, value in frugal.items()):
+                found.append(space.with_changes(node, **frugal))
     if crashed:
         order = list(SUSPECTS)
         if result is not None and result.status is ProbeStatus.DIVERGED:
