@@ -371,10 +371,11 @@ def family_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, 
                 "probes_mean": round(statistics.fmean(r["probes"] for r in mine), 1),
                 "cpu_s_per_search": round(statistics.fmean(r["cpu_s"] for r in mine), 3),
                 # #44: the returned configuration below the expert rule's own (noise-free, where it runs and fits)
-                "below_expert": int(sum(r["below_expert"] for r in mine)),
-                "below_expert_fraction": round(statistics.fmean(r["below_expert"] for r in mine), 4),
-                "expert_median_ratio": round(float(np.median([r["expert_ratio"] for r in mine])), 4),
-                "expert_fails": int(sum(r["expert_ratio"] == 0.0 for r in mine)),
+                "below_expert": int(sum(r.get("below_expert", 0) for r in mine)),
+                "below_expert_fraction": round(statistics.fmean(r.get("below_expert", 0) for r in mine), 4),
+                # the expert's own ratio where it runs under the ceiling (0.0 where it never does), and where it does not
+                "expert_median_ratio": round(float(np.median([r["expert_ratio"] for r in mine if r.get("expert_ratio")] or [0.0])), 4),
+                "expert_fails": int(sum(not r.get("expert_ratio") for r in mine)),
             }
     return summary
 
