@@ -9,10 +9,9 @@ results are per **configuration**, not per probe:
   often it fitted otherwise. Timeouts (often cut short by the budget) say nothing and are left out;
 * configurations that fit are **ranked** by the mean samples/s of their probes, fastest first;
 * **ties go to the prior, not to chance**: the configurations within the noise of the fastest
-  (:func:`tie_band`) are ordered by the prior (:func:`prior_rank`: 16-bit over tf32 over fp32, then
-  the expert rule's order of attention kernels and of optimizers, fused AdamW first), then by their
-  mean; so a loader that makes every precision measure alike returns the 16-bit one, not whichever
-  noise put first. Exact
+  (:func:`tie_band`) are ordered by the prior (:func:`prior_rank`: 16-bit over tf32 over fp32),
+  then by their mean; so a loader that makes every precision measure alike returns the 16-bit one,
+  not whichever noise put first. Exact
   ties left after that go to the first trial (the one found first ranks first).
 
 Near-ties (:func:`near_ties`) are the configurations within the noise of the best
@@ -31,16 +30,15 @@ from typing import Any
 
 from autotune.params import TrialParams
 from autotune.records import Probe
-from autotune.search.expert import EXPERT_PREFERENCES
 
 NOISE_BAND_MIN_REL = 0.02  # near-tie floor: see noise_band
-# What orders a tie (autotune.search.expert's preferences, most preferred first; a value not listed ranks
-# after the listed ones): the precision's class first (16-bit, then tf32, then fp32: a tie across
-# precisions goes to 16 bits), then the attention kernel and the optimizer. Only these: on the design
-# draws, ordering ties by compile mode, checkpointing and accumulation too returned configurations
-# measured slower more often than the prior was right (median 0.991 -> 0.983, 2026-11-27).
-PRIOR_ORDER = ("precision", "attn_implementation", "optim")
-_PRECISION_CLASS = {"bf16": 0, "fp16": 0, "bf16+tf32": 0, "fp16+tf32": 0, "tf32": 1, "fp32": 2}
+# What orders a tie: the precision's class only (16-bit, then tf32, then fp32: a tie across precisions
+# goes to 16 bits). On the design draws (family version 2, 2026-11-27, 30 virtual minutes) ordering
+# ties by the expert rule's attention kernel and optimizer too (and by compile mode, checkpointing and
+# accumulation) returned configurations measured slower more often than the prior was right: twice the
+# loss of the pick among what was measured (median 0.985 and 0.983; 0.988 by precision alone, with a
+# later fix to the expert fallback that moved one draw).
+PRECISION_CLASS = {"bf16": 0, "fp16": 0, "bf16+tf32": 0, "fp16+tf32": 0, "tf32": 1, "fp32": 2}
 MAX_CONTENDERS = 3  # near-ties re-measured at the end of a search, the best included
 
 
@@ -99,17 +97,10 @@ def rank_configurations(probes: Iterable[Probe], ceiling_bytes: int | None) -> l
     return tied + [c for c in by_speed if id(c) not in members]
 
 
-def prior_rank(params: TrialParams) -> tuple[int, ...]:
-    """How the prior orders a configuration among near-equals (lower first): the class of its precision
-    (16-bit, tf32, fp32), then per :data:`PRIOR_ORDER`'s other dimensions the place of its value in the
-    expert rule's preferences (an unlisted value after every listed one)."""
-    values = params.to_dict()
-    rank = [_PRECISION_CLASS.get(params.precision, len(_PRECISION_CLASS))]
-    for name in PRIOR_ORDER[1:]:
-        preferred = EXPERT_PREFERENCES.get(name, ())
-        value = values.get(name)
-        rank.append(preferred.index(value) if value in preferred else len(preferred))
-    return tuple(rank)
+def prior_rank(params: TrialParams) -> int:
+    """How the prior orders a configuration among near-equals (lower first): the class of its precision,
+    16-bit (0), tf32 (1), fp32 (2); an unknown precision after them."""
+    return PRECISION_CLASS.get(params.precision, len(PRECISION_CLASS))
 
 
 def tie_band(a: Configuration, b: Configuration) -> float:
