@@ -42,6 +42,10 @@ What is drawn per landscape (all ranges uniform unless marked log-uniform):
 * **input**: one loader worker makes 0.15-4 x (log) half the fastest compute rate; workers scale
   as w^0.8-1.0 and cost 0-0.5 % compute each; with 0 workers loading is serial with compute at
   0.7-1.2 x one worker's rate. ``input_wait_fraction`` is the share of a step spent waiting.
+  Version 2 (#44): a *loader-bound* world (25 %) draws one worker at 0.12-0.3 x the fastest compute
+  rate instead (few workers: every precision measures the same); half the draws report no
+  ``input_wait_fraction`` and no ``step_time_ci95_rel`` (a replay table without those columns);
+  off pre-Ampere cards, 12 % draw fp16 and bf16 at 0.97-1.03 x tf32 (a tie across precisions).
 * **failures**: a pre-Ampere-like card (12 %) crashes bf16 and flash attention at start-up, with
   tf32 no faster than fp32 (and crashing half the time), fp16 2.5-3.6 x; otherwise bf16 (6 %),
   tf32 (4 %), sdpa (3 %), flash (15 %; in fp32/tf32 only, 50 %) and 8-bit Adam (10 %) crash at
@@ -72,7 +76,7 @@ from autotune.search.loop import VirtualClock
 from autotune.space import SearchSpace, load_space
 
 GiB = 2**30
-FAMILY_VERSION = 1  # part of every draw's seed: a changed generator is a different family
+FAMILY_VERSION = 2  # part of every draw's seed: a changed generator is a different family (2: loader-bound draws, silent telemetry, precision ties)
 RANGE_SPAN = 100_000  # every range of draws starts at a multiple of this (bench.search's heldoutN at N x RANGE_SPAN)
 HELDOUT_START = RANGE_SPAN
 RANGES = {"design": 0, "heldout": HELDOUT_START}
@@ -125,6 +129,8 @@ class Shape:
     startup_s: float
     measure_steps: int
     measure_min_s: float
+    loader_bound: bool  # the loader limits throughput unless enough workers run (every precision then measures alike)
+    telemetry: bool  # probes report input_wait_fraction and step_time_ci95_rel (False: a table without those columns)
     crash_values: frozenset[Value]  # crash at start-up wherever they appear
     crash_pairs: frozenset[tuple[Value, Value]]  # crash at start-up together
     compile_crash: frozenset[str]  # compile modes that crash everywhere
@@ -146,6 +152,7 @@ class Shape:
             f"({self.compile_s['inductor']:.0f}/{self.compile_s['inductor:max-autotune']:.0f} s); "
             f"saturates at b~{self.overhead_s / self.per_sample_s:.1f} (fp32 eager)"
             f"{f', peaks at {self.batch_peak}' if self.batch_peak else ''}; noise {self.noise:.1%}; "
+            f"{'loader-bound; ' if self.loader_bound else ''}{'' if self.telemetry else 'no input-wait/CI columns; '}"
             f"crash: {', '.join(fails + comp) or 'none'}; diverge: {', '.join(div) or 'none'}"
         )
 
@@ -226,6 +233,9 @@ def _draw(draw: int, attempt: int) -> Shape:
     else:
         fp16 = u(1.8, 3.6)
         precision_speed = {"fp32": 1.0, "tf32": u(1.3, 2.6), "fp16": fp16, "bf16": fp16 * u(0.92, 1.08)}
+    if not pre_ampere and u() < 0.12:  # version 2: the 16-bit formats gain nothing over tf32 (a real tie across precisions)
+        flat = precision_speed["tf32"]
+        precision_speed.update(fp16=flat * u(0.97, 1.03), bf16=flat * u(0.97, 1.03))
     sdpa = u(1.0, 1.35)
     attn_speed = {"eager": 1.0, "sdpa": sdpa, "flash_attention_2": sdpa * u(0.93, 1.15)}
     inductor = u(0.85, 1.3)
@@ -249,6 +259,15 @@ def _draw(draw: int, attempt: int) -> Shape:
     worker_rate = 0.5 * fastest * _log_uniform(rng, 0.15, 4)
     main_rate = worker_rate * u(0.7, 1.2)
     worker_scaling, worker_cost = u(0.8, 1.0), u(0.0, 0.005)
+    # Version 2: what ten replay landscapes outside the family showed (#44). A loader-bound world: one
+    # worker makes 0.12-0.3 x the fastest compute rate, so with few workers every precision measures
+    # the same and only enough workers (4-8) let the compute show; and probes that report neither an
+    # input wait nor a CI (a table without those optional columns). The 16-bit tie is drawn above.
+    loader_bound = bool(u() < 0.25)
+    if loader_bound:
+        worker_rate = fastest * u(0.12, 0.3)
+        main_rate = worker_rate * u(0.7, 1.2)
+    telemetry = bool(u() >= 0.5)
     # ------------------------------------------------------------------ failures
     crash: set[Value] = set()
     pairs: set[tuple[Value, Value]] = set()
@@ -296,6 +315,7 @@ def _draw(draw: int, attempt: int) -> Shape:
         precision_speed=precision_speed, attn_speed=attn_speed, compile_speed=compile_speed, compile_overhead=compile_overhead,
         compile_s=compile_s, ckpt_speed=u(0.65, 0.85), align8=align8, align64=align64, batch_peak=batch_peak, peak_gamma=peak_gamma,
         opt_step_s=opt_step_s, grad_accumulate_s=fused / 4, worker_rate=worker_rate, main_rate=main_rate, worker_scaling=worker_scaling, worker_cost=worker_cost,
+        loader_bound=loader_bound, telemetry=telemetry,
         noise=u(0.005, 0.03), startup_s=u(8, 45), measure_steps=int(rng.integers(4, 11)), measure_min_s=u(15, 60),
         crash_values=frozenset(crash), crash_pairs=frozenset(pairs), compile_crash=frozenset(compile_crash),
         compile_crash_with=frozenset(crash_with), diverge_values=frozenset(diverge), diverge_pairs=frozenset(diverge_pairs),
@@ -421,6 +441,13 @@ class Landscape:
         i = int(np.argmax(np.where(fits, out.samples_per_s, -1.0)))
         return params_at(columns, i), float(out.samples_per_s[i])
 
+    def largest_batch_that_fits(self, params: TrialParams, batch_sizes: Any, ceiling_bytes: int) -> int | None:
+        """The largest of ``batch_sizes`` whose noise-free peak with ``params``' other settings is under
+        ``ceiling_bytes`` (an exact memory model: what :func:`autotune.search.expert.expert_params` reads)."""
+        fitting = [b for b in sorted(batch_sizes)
+                   if np.floor(self.noise_free(params.replace(per_device_train_batch_size=b)).peak_bytes[0]) <= ceiling_bytes]
+        return fitting[-1] if fitting else None
+
     def noise_free(self, params: TrialParams) -> Outcomes:
         return self.outcomes({name: np.array([getattr(params, name)]) for name in FAMILY_PARAMS})
 
@@ -477,9 +504,9 @@ class FamilyEvaluator:
             setup_s=setup_s,
             warmup_s=float(out.warmup_s[0]),
             wall_s=probe_s,
-            step_time_ci95_rel=self.landscape.shape.noise,
-            input_wait_fraction=wait,
-            input_bound=wait > 0.2,
+            step_time_ci95_rel=self.landscape.shape.noise if self.landscape.shape.telemetry else None,
+            input_wait_fraction=wait if self.landscape.shape.telemetry else None,
+            input_bound=wait > 0.2 and self.landscape.shape.telemetry,
         )
 
 

@@ -19,7 +19,8 @@
     python -m bench.search --family heldout15 --draws 200 --budgets 10m,30m,60m # a fifteenth, run once on round 22's strategy
     python -m bench.search --family heldout16 --draws 200 --budgets 10m,30m,60m # a sixteenth, run once on round 22's final strategy (V25)
     python -m bench.search --family heldout17 --draws 200 --budgets 30m       # a seventeenth, run once on round 22's final strategy (a second check)
-    python -m bench.search --family heldout18 --draws 200 --budgets 10m,30m,60m # an eighteenth, untouched until the next design is frozen
+    python -m bench.search --family heldout18 --draws 200 --budgets 10m,30m,60m # an eighteenth: design data since #44 was filed
+    python -m bench.search --family heldout19 --draws 200 --budgets 30m --strategies bayes,tpe --processes 1 # #44's held-out range (family version 2), run once
     python -m bench.search --family design --draws 400 --budgets 30m --strategies bayes --details after.csv
     python -m bench.search --compare before.csv after.csv    # paired, draw by draw, with the 5th percentile's bootstrap interval
     python -m bench.search --family design --draws 400 --budgets 30m --strategies bayes --noise-stream 1  # the same, other probe noise
@@ -43,8 +44,10 @@ strategy), ``heldout12`` = draws 1200000-1200199 (defined after round 17, run on
 ``heldout13`` = draws 1300000-1300199 (run once after round 19); ``heldout14`` = draws 1400000-1400199 (run once after round 20); ``heldout15`` = draws 1500000-1500199
 (defined after round 20, run once after round 22); ``heldout16`` = draws 1600000-1600199 (defined in round 22, run once on its final strategy);
 ``heldout17`` = draws 1700000-1700199 (run once on it too, a second check); ``heldout18`` = draws
-1800000-1800199 (defined after that; untouched). All nineteen come
-from the same frozen generator (``bench.family.FAMILY_VERSION``); ``heldout2`` to ``heldout18`` are defined here
+1800000-1800199 (run once when #44 was filed: design data since); ``heldout19`` = draws 1900000-1900199
+(defined with family version 2 for #44, untouched until its final code). Each range is drawn by the
+generator of its time (``bench.family.FAMILY_VERSION``, part of every draw's seed: version 2 redrew them
+all); ``heldout2`` to ``heldout19`` are defined here
 (``heldoutN`` starts at draw N x 100,000), not in ``bench.family``.
 
 Family mode runs one search per strategy, draw and budget (separate searches, seed = the draw's
@@ -106,7 +109,7 @@ GPU_SEEDS = 5  # family mode: seeds per GPU-recorded table and budget
 # Further held-out ranges: heldoutN starts at draw N x bench.family.RANGE_SPAN (heldout, from
 # bench.family, is the first). Each was added when the one before it had been seen, and is run once a
 # design is frozen.
-LAST_HELDOUT = 18  # heldout18 (1800000-...) is untouched: defined in round 22, for the next design
+LAST_HELDOUT = 19  # heldout19 (1900000-...): defined for #44 (family version 2), run once on its final code
 LOW_RATIO = 0.95  # #14's target for the 5th percentile: draws below it are counted ("<0.95")
 CHANGED = 0.005  # --compare: a draw whose ratio moved more than this changed
 BOOTSTRAP_RESAMPLES = 2000
@@ -123,7 +126,7 @@ def noise_stream_problem(stream: int) -> str | None:
 
 
 def family_ranges() -> dict[str, int]:
-    """``{range name: first draw}``: ``design``, ``heldout`` (from bench.family), ``heldout2`` to ``heldout18``,
+    """``{range name: first draw}``: ``design``, ``heldout`` (from bench.family), ``heldout2`` to ``heldout19``,
     and the second generator's held-out ranges (``gen2-heldout``, ... from bench.landscapes2)."""
     from bench.family import RANGE_SPAN, RANGES
     from bench.landscapes2 import RANGES as GEN2_RANGES
@@ -164,9 +167,38 @@ def _table(path: str) -> Any:
     return _TABLES[path]
 
 
+class TableMemory:
+    """A replay table's recorded peaks as the memory model :func:`autotune.search.expert.expert_params`
+    reads (``largest_batch_that_fits``): the analytic model a real run has stands in for what was measured."""
+
+    def __init__(self, table: Any) -> None:
+        self.table = table
+
+    def largest_batch_that_fits(self, params: Any, batch_sizes: Any, ceiling_bytes: int) -> int | None:
+        fitting = None
+        for batch in sorted(batch_sizes):
+            row = self.table.row(params.replace(per_device_train_batch_size=batch))
+            if row is None or row["status"] == "oom" or (row["peak_mem_bytes"] == row["peak_mem_bytes"] and row["peak_mem_bytes"] > ceiling_bytes):
+                break  # out of memory, or over the ceiling (a peak that is NaN, a crash's, says nothing)
+            fitting = batch
+        return fitting
+
+
+def table_expert(table: Any, ceiling_bytes: int) -> Any:
+    """The expert rule's configuration in a replay table's space, its batch from the table's recorded peaks."""
+    from autotune.search.expert import expert_params
+
+    space = table.space()
+    default = space.baseline()
+    base = default if space.contains(default) else space.complete({n: space.choices[n][0] for n in space.free_params})
+    return expert_params(space, base, TableMemory(table), ceiling_bytes)
+
+
 def _table_task(task: tuple[str, int, float, str, int]) -> Any:
     path, ceiling, budget_s, strategy, seed = task
-    return replay_search(_table(path), budget_s=budget_s, memory_ceiling_bytes=ceiling, strategy=strategy, seed=seed)
+    table = _table(path)
+    return replay_search(table, budget_s=budget_s, memory_ceiling_bytes=ceiling, strategy=strategy, seed=seed,
+                         expert=table_expert(table, ceiling))
 
 
 def bench(tables: list[str], strategies: list[str], seeds: int, budget_s: float, processes: int = 1) -> dict[str, Any]:
@@ -180,13 +212,15 @@ def bench(tables: list[str], strategies: list[str], seeds: int, budget_s: float,
         true_best = table.best_under(ceiling)
         if true_best is None:
             raise SystemExit(f"{path}: no configuration fits under {format_bytes(ceiling)}")
-        specs.append((table, ceiling, float(true_best["samples_per_s"]), float(table.frame["probe_s"].sum())))
+        row = table.row(table_expert(table, ceiling))
+        expert_sps = float(row["samples_per_s"]) if row is not None and row["status"] == "ok" and row["peak_mem_bytes"] <= ceiling else 0.0
+        specs.append((table, ceiling, float(true_best["samples_per_s"]), float(table.frame["probe_s"].sum()), expert_sps))
         tasks += [(path, ceiling, budget_s, strategy, seed) for strategy in strategies for seed in range(seeds)]
     runs = iter(_map(_table_task, tasks, processes))
-    for table, ceiling, true_best_sps, grid_s in specs:
-        summary[table.name] = {"ceiling_bytes": ceiling, "true_best_samples_per_s": true_best_sps}
+    for table, ceiling, true_best_sps, grid_s, expert_sps in specs:
+        summary[table.name] = {"ceiling_bytes": ceiling, "true_best_samples_per_s": true_best_sps, "expert_ratio": round(expert_sps / true_best_sps, 4)}
         for strategy in strategies:
-            ratios, fractions, ooms, pruned, remeasures, over = [], [], [], [], [], 0
+            ratios, fractions, ooms, pruned, remeasures, over, below = [], [], [], [], [], 0, 0
             for _ in range(seeds):
                 outcome = next(runs)
                 ratios.append((outcome.best_samples_per_s or 0.0) / true_best_sps)
@@ -195,6 +229,7 @@ def bench(tables: list[str], strategies: list[str], seeds: int, budget_s: float,
                 pruned.append(outcome.pruned)
                 remeasures.append(outcome.remeasures)
                 over += int(outcome.best_peak_mem_bytes is not None and outcome.best_peak_mem_bytes > ceiling)
+                below += int((outcome.best_samples_per_s or 0.0) < expert_sps)
             summary[table.name][strategy] = {
                 "median_ratio": round(statistics.median(ratios), 4),
                 "worst_ratio": round(min(ratios), 4),
@@ -204,6 +239,7 @@ def bench(tables: list[str], strategies: list[str], seeds: int, budget_s: float,
                 "pruned_median": statistics.median(pruned),
                 "remeasures_median": statistics.median(remeasures),
                 "returned_over_ceiling": over,
+                "below_expert": below,
                 "seeds": seeds,
             }
     return summary
@@ -211,7 +247,7 @@ def bench(tables: list[str], strategies: list[str], seeds: int, budget_s: float,
 
 def print_table(summary: dict[str, Any], budget_s: float) -> None:
     print(f"budget {budget_s / 60:.0f} virtual minutes per run")
-    header = f"{'table':<28} {'strategy':<9} {'median':>7} {'worst':>7} {'time/grid':>10} {'OOMs':>6} {'OOM/run':>8} {'pruned/run':>11} {'re-meas/run':>12} {'over ceiling':>13}"
+    header = f"{'table':<28} {'strategy':<9} {'median':>7} {'worst':>7} {'time/grid':>10} {'OOMs':>6} {'OOM/run':>8} {'pruned/run':>11} {'re-meas/run':>12} {'over ceiling':>13} {'<expert':>8}"
     print(header)
     print("-" * len(header))
     for table, figures in summary.items():
@@ -221,7 +257,7 @@ def print_table(summary: dict[str, Any], budget_s: float) -> None:
             print(
                 f"{table:<28} {strategy:<9} {f['median_ratio']:>7.3f} {f['worst_ratio']:>7.3f} "
                 f"{f['median_time_fraction']:>10.5%} {f['oom_probes_total']:>6} {f['oom_probes_median']:>8} "
-                f"{f['pruned_median']:>11} {f['remeasures_median']:>12} {f['returned_over_ceiling']:>13}"
+                f"{f['pruned_median']:>11} {f['remeasures_median']:>12} {f['returned_over_ceiling']:>13} {f['below_expert']:>8}"
             )
 
 
@@ -245,20 +281,24 @@ def family_search(strategy: Any, draw: int, budget_s: float, seed: int, log: lis
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     landscape = _landscape(draw)
     true_params, true_sps = landscape.true_best()
+    expert = expert_of(landscape)
+    expert_out = landscape.noise_free(expert)
+    expert_ratio = float(expert_out.samples_per_s[0]) / true_sps if landscape.fits(expert_out)[0] else 0.0
     if evaluator is None:
         evaluator = FamilyEvaluator(landscape, log=log, noise_stream=noise_stream)
     chosen = make_strategy(strategy) if isinstance(strategy, str) else strategy
     study = optuna.create_study(direction="maximize", sampler=chosen.sampler(seed))
     settings = SearchSettings(memory_ceiling_bytes=landscape.ceiling_bytes, budget_s=budget_s, seed=seed, min_probe_s=1.0)
     started = time.process_time()
-    outcome = run_search(study, landscape.space, evaluator, settings, baseline=landscape.space.baseline(), clock=evaluator.clock, strategy=chosen)
+    outcome = run_search(study, landscape.space, evaluator, settings, baseline=landscape.space.baseline(), expert=expert,
+                         clock=evaluator.clock, strategy=chosen)
     cpu_s = time.process_time() - started
     ranked = ranked_configurations(study, landscape.ceiling_bytes)
     row: dict[str, Any] = {
         "strategy": chosen.name, "draw": draw, "budget_s": budget_s, "seed": seed, "ratio": 0.0, "over_ceiling": 0,
         "oom_probes": evaluator.oom_probes, "probes": outcome.probes_run, "pruned": outcome.pruned,
         "virtual_s": evaluator.clock.now(), "cpu_s": round(cpu_s, 3), "found": "", "true_best": true_params.short(),
-        "measured_ratio": 0.0,
+        "measured_ratio": 0.0, "expert_ratio": expert_ratio, "below_expert": 0,
     }
     # Each configuration the search ranked, noise-free; the best of those that fit is what a pick free
     # of noise would have returned (no less than the found ratio wherever the found one fits).
@@ -269,7 +309,17 @@ def family_search(strategy: Any, draw: int, budget_s: float, seed: int, log: lis
         row["ratio"] = float(found.samples_per_s[0]) / true_sps
         row["over_ceiling"] = int(not landscape.fits(found)[0])
         row["found"] = ranked[0].params.short()
+    row["below_expert"] = int(row["ratio"] < expert_ratio)
     return row
+
+
+def expert_of(landscape: Any) -> Any:
+    """The expert rule's configuration on a drawn landscape (:func:`autotune.search.expert.expert_params`),
+    its batch the largest whose noise-free peak fits: the landscape stands in for the analytic memory
+    model a real run has (model dimensions), which a replay's own memory model lacks."""
+    from autotune.search.expert import expert_params
+
+    return expert_params(landscape.space, landscape.space.baseline(), landscape, landscape.ceiling_bytes)
 
 
 _LANDSCAPES: dict[int, Any] = {}
@@ -297,7 +347,7 @@ def _gen2_task(task: tuple[str, int, float, int, int]) -> dict[str, Any]:
 
 
 def bench_family(family: str, draws: int, strategies: list[str], budgets_s: list[float], processes: int, noise_stream: int = 0) -> list[dict[str, Any]]:
-    """Every strategy x budget on ``draws`` landscapes of the range ``family`` (``design``, ``heldout``, ``heldout2`` to ``heldout18``;
+    """Every strategy x budget on ``draws`` landscapes of the range ``family`` (``design``, ``heldout``, ``heldout2`` to ``heldout19``;
     ``gen2-*``: the second generator, whose rows also score the expert rule's configuration)."""
     start = family_ranges()[family]
     tasks = [(strategy, start + i, budget_s, i, noise_stream) for i in range(draws) for strategy in strategies for budget_s in budgets_s]
@@ -333,6 +383,12 @@ def family_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, 
                 "nothing_found": int(sum(not r["found"] for r in mine)),
                 "probes_mean": round(statistics.fmean(r["probes"] for r in mine), 1),
                 "cpu_s_per_search": round(statistics.fmean(r["cpu_s"] for r in mine), 3),
+                # #44: the returned configuration below the expert rule's own (noise-free, where it runs and fits)
+                "below_expert": int(sum(r.get("below_expert", 0) for r in mine)),
+                "below_expert_fraction": round(statistics.fmean(r.get("below_expert", 0) for r in mine), 4),
+                # the expert's own ratio where it runs under the ceiling (0.0 where it never does), and where it does not
+                "expert_median_ratio": round(float(np.median([r["expert_ratio"] for r in mine if r.get("expert_ratio")] or [0.0])), 4),
+                "expert_fails": int(sum(not r.get("expert_ratio") for r in mine)),
             }
             if "expert_ratio" in mine[0]:  # the second generator: against the expert rule's configuration
                 figures = summary[strategy][_budget_label(budget_s)]
@@ -349,7 +405,8 @@ def _interval(bounds: list[float]) -> str:
 def print_family(summary: dict[str, dict[str, dict[str, Any]]], family: str, draws: int) -> None:
     print(f"family {family}: {draws} draws, one search per strategy, draw and budget")
     header = (f"{'strategy':<9} {'budget':>6} {'median':>7} {'p5':>7} {'p5 90% bootstrap':>17} {'worst':>7} {'<0.95':>6} {'OOMs':>6} {'OOM/run':>8} "
-              f"{'over ceiling':>13} {'none found':>11} {'probes/run':>11} {'cpu s/run':>10} {'measured p5':>12} {'<0.95 measured':>15}")
+              f"{'over ceiling':>13} {'none found':>11} {'probes/run':>11} {'cpu s/run':>10} {'measured p5':>12} {'<0.95 measured':>15} "
+              f"{'<expert':>8} {'expert median':>14} {'expert fails':>13}")
     print(header)
     print("-" * len(header))
     for strategy, budgets in summary.items():
@@ -358,7 +415,8 @@ def print_family(summary: dict[str, dict[str, dict[str, Any]]], family: str, dra
                 f"{strategy:<9} {budget:>6} {f['median_ratio']:>7.3f} {f['p5_ratio']:>7.3f} {_interval(f['p5_ratio_90']):>17} "
                 f"{f['worst_ratio']:>7.3f} {f['below_095']:>6} "
                 f"{f['oom_probes_total']:>6} {f['oom_probes_mean']:>8.2f} {f['returned_over_ceiling']:>13} {f['nothing_found']:>11} "
-                f"{f['probes_mean']:>11.1f} {f['cpu_s_per_search']:>10.3f} {f['measured_p5_ratio']:>12.3f} {f['below_095_measured']:>15}"
+                f"{f['probes_mean']:>11.1f} {f['cpu_s_per_search']:>10.3f} {f['measured_p5_ratio']:>12.3f} {f['below_095_measured']:>15} "
+                f"{f['below_expert_fraction']:>8.1%} {f['expert_median_ratio']:>14.3f} {f['expert_fails']:>13}"
             )
 
 

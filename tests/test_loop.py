@@ -462,3 +462,64 @@ def test_the_expert_batch_is_the_largest_the_memory_model_says_fits(fake_gpu) ->
         fake_gpu, effective_batch_size=32)
     # Under a fixed effective batch of 32 only divisors of it are candidates: 24 is not one.
     assert expert_params(fixed, baseline_params(32, (8, 16, 24, 32)), Memory(), 40 * GiB).per_device_train_batch_size == 16
+
+
+def test_a_tie_goes_to_the_prior_not_to_chance() -> None:
+    """#44: within the noise of the fastest, the expert rule's preferences decide (16-bit over fp32),
+    then the mean; beyond it, speed alone."""
+    from autotune.records import Probe
+    from autotune.search.ranking import near_ties, rank_configurations
+
+    def probe(number: int, sps: float, **changes) -> Probe:
+        params = TrialParams(per_device_train_batch_size=16, dataloader_num_workers=2).replace(**changes)
+        return Probe(number, params, ProbeResult(status="ok", samples_per_s=sps, peak_mem_bytes=GiB, wall_s=30.0))
+
+    # The loader sets the pace: every precision measures alike, fp32 luckiest; a 16-bit one is returned
+    # (the faster of the two 16-bit formats: the prior ranks precisions by class, 16-bit, tf32, fp32).
+    tied = [probe(0, 101.0, precision="fp32"), probe(1, 100.0, precision="tf32"), probe(2, 99.5, precision="bf16"),
+            probe(3, 99.8, precision="fp16"), probe(4, 80.0, precision="bf16", per_device_train_batch_size=8)]
+    ranked = rank_configurations(tied, 40 * GiB)
+    assert [c.params.precision for c in ranked] == ["fp16", "bf16", "tf32", "fp32", "bf16"]
+    assert ranked[-1].params.per_device_train_batch_size == 8  # outside the noise: ranked by speed
+    assert {c.params.precision for c in near_ties(ranked)} == {"bf16", "fp16", "tf32"}  # the three contenders in the prior's order
+    # Only the precision's class orders a tie: within one, the faster kernel stays first.
+    kernels = rank_configurations([probe(0, 100.0, precision="bf16", attn_implementation="eager"),
+                                   probe(1, 99.0, precision="bf16", attn_implementation="sdpa")], 40 * GiB)
+    assert kernels[0].params.attn_implementation == "eager"
+    # Beyond the noise band speed wins, whatever the prior says.
+    apart = rank_configurations([probe(0, 110.0, precision="fp32"), probe(1, 100.0, precision="bf16")], 40 * GiB)
+    assert [c.params.precision for c in apart] == ["fp32", "bf16"]
+    # Within one precision the mean decides among equals of the prior (batch and workers are not ordered by it).
+    same = rank_configurations([probe(0, 100.0, precision="bf16"), probe(1, 101.0, precision="bf16", dataloader_num_workers=4)], 40 * GiB)
+    assert same[0].params.dataloader_num_workers == 4
+
+
+def test_a_crashing_expert_gets_its_nearest_runnable_neighbour_measured(fake_gpu) -> None:
+    """#44: the expert configuration crashes (bf16 at start-up); the loop measures its neighbours, the
+    other 16-bit format first, until one runs under the ceiling, then leaves the rest to the strategy."""
+    from autotune.search.expert import expert_params
+
+    space = _space(precision=["fp32", "fp16", "bf16"], optim=["adamw_torch", "adamw_torch_fused"]).restrict(fake_gpu)
+    expert = expert_params(space, baseline_params(), None, 40 * GiB)
+    assert expert.precision == "bf16" and expert.per_device_train_batch_size == 64
+    fake = FakeEvaluator(oom_above_bytes=40 * GiB, fail_on={(64, "bf16"): "crash"})
+    run_search(_study(), space, fake, SearchSettings(memory_ceiling_bytes=40 * GiB, n_trials=4), baseline=baseline_params(),
+               expert=expert, clock=fake.clock)
+    assert fake.calls[1] == expert and fake.calls[2] == expert.replace(precision="fp16")  # it runs: no further neighbour
+
+
+def test_an_expert_out_of_memory_is_followed_by_a_smaller_batch(fake_gpu) -> None:
+    from autotune.search.expert import expert_fallback
+
+    space = _space().restrict(fake_gpu)
+    expert = TrialParams(per_device_train_batch_size=64, precision="bf16")
+    oom = ProbeResult(status="oom", error="OutOfMemoryError", wall_s=30.0)
+    ok = ProbeResult(status="ok", samples_per_s=10.0, peak_mem_bytes=GiB, wall_s=30.0)
+    assert expert_fallback(space, expert, {}, None, 40 * GiB) == expert  # not asked yet
+    smaller = expert_fallback(space, expert, {expert.key(): oom}, None, 40 * GiB)
+    assert smaller == expert.replace(per_device_train_batch_size=32)  # half of it
+    assert expert_fallback(space, expert, {expert.key(): oom, smaller.key(): ok}, None, 40 * GiB) is None
+    # At the smallest batch: checkpointing and the optimizer with the least state the space holds, together.
+    small = expert.replace(per_device_train_batch_size=8)
+    frugal_space = _space(optim=["adamw_torch_fused", "adamw_bnb_8bit", "adafactor"]).restrict(fake_gpu)
+    assert expert_fallback(frugal_space, small, {small.key(): oom}, None, 40 * GiB) == small.replace(gradient_checkpointing=True, optim="adafactor")

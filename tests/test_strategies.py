@@ -730,3 +730,29 @@ def test_bayes_reads_a_twin_groups_fit_off_the_peaks_measured_in_the_group_that_
         assert row[1] > 0.95 and row[2] < 0.01, (attn, mode, row)
     eager = p_fit("eager", "inductor")
     assert 0.01 < eager[1] < 0.99  # more activations than sdpa, by how much the class does not know yet
+
+
+def test_every_dimension_is_asked_near_the_incumbent() -> None:
+    """#44: which dimensions no probe varied next to the incumbent, the variant that asks each, and a
+    tie across precisions (the loader, not the precision, sets the pace)."""
+    from autotune.records import Probe, ProbeResult
+    from autotune.search.ranking import rank_configurations
+    from autotune.search.strategies import coverage
+    from autotune.space import parse_space
+
+    space = parse_space({"per_device_train_batch_size": [8, 16], "precision": ["fp32", "bf16"], "dataloader_num_workers": [0, 2, 8],
+                         "optim": ["adamw_torch", "adamw_torch_fused"], "torch_compile": ["off", "inductor"]})
+    incumbent = TrialParams(per_device_train_batch_size=16, precision="bf16", dataloader_num_workers=2)
+
+    def ran(number: int, params: TrialParams, sps: float = 100.0) -> Probe:
+        return Probe(number, params, ProbeResult(status="ok", samples_per_s=sps, peak_mem_bytes=1, wall_s=30.0))
+
+    history = [ran(0, incumbent), ran(1, incumbent.replace(optim="adamw_torch", torch_compile="inductor"))]  # two changes: asks neither
+    assert coverage.unasked(space, incumbent, history) == ["dataloader_num_workers", "optim", "torch_compile"]
+    history.append(ran(2, incumbent.replace(per_device_train_batch_size=8, optim="adamw_torch")))  # another batch: still near
+    assert coverage.unasked(space, incumbent, history) == ["dataloader_num_workers", "torch_compile"]
+    assert [v.dataloader_num_workers for v in coverage.variants(space, incumbent, "dataloader_num_workers")] == [8, 0]
+    assert [v.torch_compile for v in coverage.variants(space, incumbent, "torch_compile")] == ["inductor"]
+    tied = rank_configurations([ran(0, incumbent, 100.0), ran(3, incumbent.replace(precision="fp32"), 100.5)], 10)
+    assert coverage.tie_across_precisions(tied)
+    assert not coverage.tie_across_precisions(rank_configurations([ran(0, incumbent, 100.0), ran(3, incumbent.replace(precision="fp32"), 60.0)], 10))

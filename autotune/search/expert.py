@@ -13,10 +13,11 @@ the device cannot run is never part of it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from autotune.params import TrialParams
+from autotune.records import ProbeResult, ProbeStatus
 from autotune.space import SearchSpace
 
 # Most preferred first; the first value the space holds wins, else the baseline's value is kept.
@@ -60,3 +61,102 @@ def expert_params(space: SearchSpace, base: TrialParams, memory: Any, ceiling_by
     expert = space.with_changes(base, **changes, per_device_train_batch_size=batches[0])
     largest = memory.largest_batch_that_fits(expert, batches, ceiling_bytes) if memory is not None else batches[-1]
     return space.with_changes(expert, per_device_train_batch_size=largest or batches[0])
+
+
+# ---------------------------------------------------------------------- its nearest runnable neighbours
+
+MAX_FALLBACK_PROBES = 6  # neighbours of a failed expert configuration measured at most, before the strategy takes over
+# Settings that need less memory, taken together once the batch cannot shrink further (the optimizer: the
+# first the space holds, least state first): one step to the frugal end, where a strategy that found
+# nothing running starts too (tried one at a time, on the design draws the first fits sat at batch 1
+# without checkpointing, and the memory model read them as room for batch 64: an out-of-memory run).
+FRUGAL_CHANGES: dict[str, tuple[Any, ...]] = {"gradient_checkpointing": (True,), "optim": ("adafactor", "adamw_bnb_8bit")}
+# The dimensions a crash or a divergence may come from, each stepped one place down its preferences.
+SUSPECTS = ("precision", "attn_implementation", "optim", "torch_compile")
+
+
+def expert_fallback(space: SearchSpace, expert: TrialParams, outcomes: Mapping[tuple[Any, ...], ProbeResult | None],
+                    memory: Any, ceiling_bytes: int, limit: int = MAX_FALLBACK_PROBES) -> TrialParams | None:
+    """The next neighbour of the expert configuration to measure while neither it nor a neighbour ran under the ceiling.
+
+    Neighbours are visited nearest first (breadth first from the expert), each failed one expanded by
+    what its failure suggests: out of memory (or over the ceiling) a smaller batch (the largest
+    ``memory`` predicts to fit below the failed one, else half of it), at the smallest batch
+    checkpointing and the optimizer with the least state together; a crash or a divergence each suspect dimension
+    one step down the expert's preferences (the other 16-bit format, the next attention kernel, the
+    unfused optimizer, uncompiled), uncompiled first where the failure came after start-up (while
+    compiling or training), the precision first where the loss diverged.
+
+    Args:
+        outcomes: per ``TrialParams.key()``: the last result of a configuration that ran, ``None`` for
+            one that is settled without running (pruned, or in flight elsewhere); absent: not yet asked.
+        memory: a :class:`autotune.search.memory.MemoryModel` (``largest_batch_that_fits``) or ``None``.
+
+    Returns:
+        The nearest neighbour not yet asked; ``None`` once one ran and fits, after ``limit`` failed
+        probes, or when no neighbour is left.
+    """
+    queue, visited, failed = [expert], set(), 0
+    while queue:
+        node = queue.pop(0)
+        key = node.key()
+        if key in visited:
+            continue
+        visited.add(key)
+        if key not in outcomes:
+            return node
+        result = outcomes[key]
+        if result is not None and result.ok and result.fits(ceiling_bytes):
+            return None
+        if result is not None:
+            failed += 1
+            if failed > limit:
+                return None
+        queue.extend(_neighbours(space, node, result, memory, ceiling_bytes))
+    return None
+
+
+def _neighbours(space: SearchSpace, node: TrialParams, result: ProbeResult | None, memory: Any, ceiling_bytes: int) -> list[TrialParams]:
+    """The neighbours a failure of ``node`` suggests, most likely to run first (``result`` None: pruned, so both kinds)."""
+    out_of_memory = result is None or result.status is ProbeStatus.OOM or (result.ok and not result.fits(ceiling_bytes))
+    crashed = result is None or not result.ok and result.status is not ProbeStatus.OOM
+    found: list[TrialParams] = []
+    if out_of_memory:
+        batch = node.per_device_train_batch_size
+        smaller = [b for b in space.choices["per_device_train_batch_size"] if b < batch]
+        if smaller:
+            fits = memory.largest_batch_that_fits(node, smaller, ceiling_bytes) if memory is not None else None
+            found.append(space.with_changes(node, per_device_train_batch_size=fits or max(b for b in smaller if b <= max(batch // 2, min(smaller)))))
+        else:
+            frugal = {name: next(v for v in values if v in space.choices[name]) for name, values in FRUGAL_CHANGES.items()
+                      if any(v in space.choices.get(name, ()) for v in values)}
+            if any(getattr(node, name) != value for name, value in frugal.items()):
+                found.append(space.with_changes(node, **frugal))
+    if crashed:
+        order = list(SUSPECTS)
+        if result is not None and result.status is ProbeStatus.DIVERGED:
+            order = ["precision", "optim", "attn_implementation", "torch_compile"]
+        elif result is not None and result.wall_s and result.setup_s and result.wall_s > 1.1 * result.setup_s:
+            order = ["torch_compile", *(d for d in SUSPECTS if d != "torch_compile")]  # it failed after start-up
+        for name in order:
+            value = _next_preference(space, name, getattr(node, name))
+            if value is not None:
+                found.append(_fitted(space, space.with_changes(node, **{name: value}), node.per_device_train_batch_size, memory, ceiling_bytes))
+    return found
+
+
+def _next_preference(space: SearchSpace, name: str, value: Any) -> Any:
+    """The value after ``value`` in the expert's preferences (``off`` after the compile modes) that the space holds."""
+    preferred = EXPERT_PREFERENCES.get(name, ()) + (("off",) if name == "torch_compile" else ("fp32",) if name == "precision" else ())
+    choices = space.choices.get(name, ())
+    after = preferred[preferred.index(value) + 1:] if value in preferred else ()
+    return next((v for v in after if v in choices and v != value), None)
+
+
+def _fitted(space: SearchSpace, params: TrialParams, batch: int, memory: Any, ceiling_bytes: int) -> TrialParams:
+    """``params`` at the largest batch up to ``batch`` that ``memory`` predicts to fit (its own batch where it cannot tell)."""
+    if memory is None:
+        return params
+    batches = [b for b in space.choices["per_device_train_batch_size"] if b <= batch]
+    fits = memory.largest_batch_that_fits(params, batches, ceiling_bytes)
+    return space.with_changes(params, per_device_train_batch_size=fits) if fits else params

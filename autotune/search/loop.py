@@ -64,6 +64,7 @@ from optuna.trial import FrozenTrial
 import autotune.studies as studies
 from autotune.params import TrialParams
 from autotune.records import Probe, ProbeResult, ProbeStatus
+from autotune.search.expert import expert_fallback
 from autotune.search.memory import MemoryModel
 from autotune.search.ranking import Configuration, near_ties, rank_configurations
 from autotune.search.strategies.base import SearchState, SeenKeys, Strategy
@@ -436,8 +437,10 @@ def run_search(
             # polishing (another compile mode can pay 10 %, a re-measure among near-ties a few).
             state.remaining_s = remaining_s if deadline_s is not None else None
             state.kept_s = reserve_s
-            # What to claim: an enqueued trial first (ask pops it), then the baseline, a configuration
-            # whose process died, the fresh point after a repeat, the strategy's proposal; else the sampler's.
+            # What to claim: an enqueued trial first (ask pops it), then the baseline, the expert rule's
+            # configuration and, while it has not run under the ceiling, its nearest neighbours, a
+            # configuration whose process died, the fresh point after a repeat, the strategy's proposal;
+            # else the sampler's.
             proposal, role, retry_of = None, None, None
             retry = studies.retry_candidates(trials)
             if studies.has_waiting(trials):
@@ -448,6 +451,8 @@ def run_search(
             elif expert is not None and not studies.role_settled(trials, studies.ROLE_EXPERT) and expert.key() not in synced.seen:
                 proposal, role = expert, studies.ROLE_EXPERT
                 retry_of = next((t.number for t in retry if studies.config_key(t) == expert.key()), None)
+            elif expert is not None and (neighbour := _expert_neighbour(space, expert, synced, state, settings)) is not None:
+                proposal = neighbour
             elif retry:
                 proposal, retry_of = TrialParams.from_dict(retry[0].user_attrs[studies.ATTR_PARAMS]), retry[0].number
             elif fresh is not None:
@@ -524,6 +529,18 @@ def run_search(
             studies.fail_interrupted(study, open_trial)
         outcome.stopped_because = "interrupted"
     return outcome
+
+
+def _expert_neighbour(space: SearchSpace, expert: TrialParams, synced: _Synced, state: SearchState,
+                      settings: SearchSettings) -> TrialParams | None:
+    """While the expert configuration has not run under the ceiling, its nearest neighbour not yet asked
+    (:func:`autotune.search.expert.expert_fallback`): the search then returns the expert rule's
+    configuration, its best runnable neighbour, or something measured faster."""
+    outcomes: dict[tuple[Any, ...], ProbeResult | None] = {probe.params.key(): probe.result for probe in synced.history}
+    for key in [*synced.seen, *synced.in_flight]:  # measured, pruned, or in flight elsewhere
+        outcomes.setdefault(key, None)
+    neighbour = expert_fallback(space, expert, outcomes, synced.memory, settings.memory_ceiling_bytes)
+    return None if neighbour is None or neighbour.key() == expert.key() else neighbour
 
 
 def _random_allowed(

@@ -7,8 +7,12 @@ results are per **configuration**, not per probe:
   ``crash``, ``diverged``: :meth:`~autotune.records.ProbeStatus.is_measured`) finished under the
   memory ceiling (:meth:`~autotune.records.ProbeResult.fits`): one OOM and it does not fit, however
   often it fitted otherwise. Timeouts (often cut short by the budget) say nothing and are left out;
-* configurations that fit are **ranked** by the mean samples/s of their probes, fastest first, ties
-  broken by their first trial (the one found first ranks first).
+* configurations that fit are **ranked** by the mean samples/s of their probes, fastest first;
+* **ties go to the prior, not to chance**: the configurations within the noise of the fastest
+  (:func:`tie_band`) are ordered by the prior (:func:`prior_rank`: 16-bit over tf32 over fp32),
+  then by their mean; so a loader that makes every precision measure alike returns the 16-bit one,
+  not whichever noise put first. Exact
+  ties left after that go to the first trial (the one found first ranks first).
 
 Near-ties (:func:`near_ties`) are the configurations within the noise of the best
 (:func:`noise_band`): the search measures each once more before it declares a best. A
@@ -18,6 +22,7 @@ configuration whose probes disagree by more than that band is :attr:`Configurati
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -27,6 +32,13 @@ from autotune.params import TrialParams
 from autotune.records import Probe
 
 NOISE_BAND_MIN_REL = 0.02  # near-tie floor: see noise_band
+# What orders a tie: the precision's class only (16-bit, then tf32, then fp32: a tie across precisions
+# goes to 16 bits). On the design draws (family version 2, 2026-11-27, 30 virtual minutes) ordering
+# ties by the expert rule's attention kernel and optimizer too (and by compile mode, checkpointing and
+# accumulation) returned configurations measured slower more often than the prior was right: twice the
+# loss of the pick among what was measured (median 0.985 and 0.983; 0.988 by precision alone, with a
+# later fix to the expert fallback that moved one draw).
+PRECISION_CLASS = {"bf16": 0, "fp16": 0, "bf16+tf32": 0, "fp16+tf32": 0, "tf32": 1, "fp32": 2}
 MAX_CONTENDERS = 3  # near-ties re-measured at the end of a search, the best included
 
 
@@ -50,7 +62,8 @@ class Configuration:
 
 
 def rank_configurations(probes: Iterable[Probe], ceiling_bytes: int | None) -> list[Configuration]:
-    """The configurations that fit under ``ceiling_bytes`` (every measured probe fits), fastest mean first."""
+    """The configurations that fit under ``ceiling_bytes`` (every measured probe fits), fastest mean first,
+    those within the noise of the fastest (:func:`tie_band`) in the prior's order (:func:`prior_rank`)."""
     groups: dict[tuple[Any, ...], list[Probe]] = {}
     for probe in probes:
         if probe.result.status.is_measured():
@@ -74,7 +87,26 @@ def rank_configurations(probes: Iterable[Probe], ceiling_bytes: int | None) -> l
             trials=tuple(p.number for p in group),
             spread_rel=(max(speeds) - min(speeds)) / mean if mean > 0 else 0.0,
         ))
-    return sorted(configurations, key=lambda c: (-c.mean_samples_per_s, c.number))
+    by_speed = sorted(configurations, key=lambda c: (-c.mean_samples_per_s, c.number))
+    if not by_speed:
+        return by_speed
+    fastest = by_speed[0]
+    tied = [c for c in by_speed if fastest.mean_samples_per_s - c.mean_samples_per_s <= tie_band(fastest, c) * fastest.mean_samples_per_s]
+    tied.sort(key=lambda c: (prior_rank(c.params), -c.mean_samples_per_s, c.number))
+    members = {id(c) for c in tied}
+    return tied + [c for c in by_speed if id(c) not in members]
+
+
+def prior_rank(params: TrialParams) -> int:
+    """How the prior orders a configuration among near-equals (lower first): the class of its precision,
+    16-bit (0), tf32 (1), fp32 (2); an unknown precision after them."""
+    return PRECISION_CLASS.get(params.precision, len(PRECISION_CLASS))
+
+
+def tie_band(a: Configuration, b: Configuration) -> float:
+    """The relative gap under which ``a`` and ``b`` measure alike: :func:`noise_band`, narrowed by the
+    square root of the fewer measurements of the two (a mean of n probes is that much less noisy)."""
+    return noise_band(a.ci95_rel, b.ci95_rel) / math.sqrt(min(a.n_measurements, b.n_measurements))
 
 
 def noise_band(ci95_rel_a: float | None, ci95_rel_b: float | None) -> float:
@@ -97,8 +129,8 @@ def near_ties(ranked: list[Configuration]) -> list[Configuration]:
     """
     if not ranked:
         return []
-    best = ranked[0]
-    contenders = [best] + [
+    best = max(ranked, key=lambda c: c.mean_samples_per_s)  # the fastest (a tie may rank a preferred one first)
+    contenders = [ranked[0]] + [
         c for c in ranked[1:]
         if best.mean_samples_per_s - c.mean_samples_per_s <= noise_band(best.ci95_rel, c.ci95_rel) * best.mean_samples_per_s
     ]

@@ -299,6 +299,7 @@ def replay_search(
     strategy: str = DEFAULT_STRATEGY,
     seed: int = 0,
     baseline: TrialParams | None = None,
+    expert: TrialParams | None = None,
 ) -> ReplayOutcome:
     """Run one search on a replay table, on a virtual clock, in an in-memory study.
 
@@ -310,6 +311,8 @@ def replay_search(
         strategy: a name from :data:`autotune.search.strategies.registry.STRATEGIES`.
         seed: sampler seed.
         baseline: the first trial; default transformers' defaults where the space has them, else none.
+        expert: the expert rule's configuration (:func:`autotune.search.expert.expert_params`), run
+            right after the baseline; default none.
 
     Raises:
         ReplayTableError: if the space does not match the table.
@@ -327,7 +330,8 @@ def replay_search(
     evaluator = ReplayEvaluator(table)
     study = optuna.create_study(direction="maximize", sampler=chosen.sampler(seed))
     settings = SearchSettings(memory_ceiling_bytes=memory_ceiling_bytes, budget_s=budget_s, seed=seed, min_probe_s=1.0)
-    outcome = run_search(study, search_space, evaluator, settings, baseline=baseline, clock=evaluator.clock, strategy=chosen)
+    outcome = run_search(study, search_space, evaluator, settings, baseline=baseline, expert=expert, clock=evaluator.clock,
+                         strategy=chosen)
     configurations = ranked_configurations(study, memory_ceiling_bytes)
     best = configurations[0] if configurations else None
     peak = max((r.result.peak_mem_bytes or 0 for r in outcome.records if best and r.params == best.params), default=None)

@@ -94,6 +94,7 @@ from autotune.params import COMPILED_GRAPH_PARAMS, TrialParams, mixed_precision_
 from autotune.records import Probe, ProbeResult, ProbeStatus
 from autotune.search.memory import GROUP_KEYS, PRUNE_MARGIN, UNCALIBRATED_PRUNE_MARGIN, needs_no_less_memory, optimizer_state_bytes
 from autotune.search.ranking import Configuration, rank_configurations
+from autotune.search.strategies import coverage
 from autotune.search.strategies.base import SearchState, SeenKeys, Strategy
 from autotune.search.strategies.baselines import tpe_sampler
 from autotune.search.strategies.failures import KINDS, FailureModel
@@ -113,6 +114,7 @@ NOTHING_YET_SPEED_WEIGHT = 0.3  # before anything fits: how much speed counts ne
 POLISH_PROBES = 3  # polishing probes of the best configurations whose time is kept to the end
 POLISH_MARGIN = 1.3  # their predicted cost is a guess until their compile mode was timed: keep some more
 POLISH_SHARE = 0.5  # at most this share of the run's budget is kept for polishing
+COVERAGE_SHARE = 0.2  # at most this share of the run's budget is kept for asking every dimension near the incumbent
 MIN_SD = 0.01  # no point is certain: EI stays positive near the incumbent
 WORKER_SCALING = 0.9  # loader throughput ~ workers^0.9
 CAP_MARGIN = 0.1  # a loader's rate read off a waiting probe is a lower bound (the optimizer step hides in it), log scale
@@ -491,6 +493,14 @@ class BayesStrategy(Strategy):
                 if state.remaining_s <= 2.0 * (reserve + compare_s):
                     return grid.params_at(comparison)
                 reserve += compare_s
+            # Every dimension asked once near the incumbent (coverage), cheapest first: its time is
+            # kept like polishing's, and it is asked at once where precisions tie.
+            tie = coverage.tie_across_precisions(feasible)
+            question, question_s, asking_s = self._coverage(context, state, feasible, allowed, cost_ok, loader_first=tie)
+            due = tie or asking_s + reserve + state.kept_s >= state.remaining_s
+            if question is not None and due and question_s + state.kept_s <= state.remaining_s:  # not the near-ties' time
+                return question
+            reserve += asking_s
             if order and reserve >= state.remaining_s:
                 # The time left is what was kept: polish, the most valuable probe first (cheaper ones
                 # rank first per second, and the one that pays most would no longer fit after them).
@@ -505,6 +515,46 @@ class BayesStrategy(Strategy):
         best = self._best_over_groups(context, state, evidence, bound, lambda cells, p_fit: self._score(
             gain[cells], p_ok[cells], p_fit, cost_ok[cells], cost_fail[cells], allowed[cells]))
         return None if best is None else grid.params_at(best[1])
+
+    def _coverage(self, context: _Context, state: SearchState, feasible: list[Configuration], allowed: np.ndarray,
+                  cost_ok: np.ndarray, *, loader_first: bool = False) -> tuple[TrialParams | None, float, float]:
+        """The cheapest question left near the incumbent (:mod:`~autotune.search.strategies.coverage`),
+        its seconds, and the seconds all of them take: per unasked dimension its first variant that may be proposed
+        (not ruled out by the memory model or a measured failure), at the largest batch up to the
+        incumbent's likelier to fit than not; ``loader_first``: in :data:`coverage.DIMENSIONS`' order
+        (the loader's workers first), not by cost."""
+        if not feasible:
+            return None, 0.0, 0.0
+        grid = context.grid
+        incumbent = feasible[0].params
+        flat_allowed = allowed.reshape(-1)
+        flat_cost = np.broadcast_to(cost_ok, grid.shape).reshape(-1)
+        questions: list[tuple[float, int, TrialParams]] = []
+        evidence: MemoryEvidence | None = None
+        for rank, dimension in enumerate(coverage.unasked(state.space, incumbent, state.history)):
+            for variant in coverage.variants(state.space, incumbent, dimension):
+                if dimension == "gradient_checkpointing" and variant.gradient_checkpointing:  # its point: a larger batch
+                    evidence = evidence or MemoryEvidence.of(context.groups, grid, state.history, state.ceiling_bytes)
+                    largest = state.space.with_changes(variant, per_device_train_batch_size=max(grid.values[BATCH]))
+                    variant = self._likely_batch(context, state, evidence, largest) or variant
+                if state.memory.prune_reason(variant, state.ceiling_bytes) is not None:
+                    evidence = evidence or MemoryEvidence.of(context.groups, grid, state.history, state.ceiling_bytes)
+                    variant = self._likely_batch(context, state, evidence, variant) or variant
+                index = grid.flat_index(variant)
+                if index is not None and flat_allowed[index] and state.memory.prune_reason(variant, state.ceiling_bytes) is None:
+                    questions.append((float(flat_cost[index]), rank, variant))
+                    break
+        if not questions:
+            return None, 0.0, 0.0
+        questions.sort(key=lambda q: (q[1], q[0]) if loader_first else (q[0], q[1]))
+        # At most COVERAGE_SHARE of the run's budget is kept for them, the first ones (cheapest, or the loader's) first.
+        most = COVERAGE_SHARE * self._budget_s if self._budget_s > 0 else math.inf
+        kept = 0.0
+        for cost, _, _ in questions:
+            if kept + cost > most:
+                break
+            kept += cost
+        return questions[0][2], questions[0][0], kept
 
     def _best_over_groups(self, context: _Context, state: SearchState, evidence: MemoryEvidence, bound: np.ndarray,
                           exact: Callable[[tuple[Any, ...], np.ndarray], np.ndarray]) -> tuple[float, int] | None:

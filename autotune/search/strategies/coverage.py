@@ -1,0 +1,71 @@
+"""Every dimension asked at least once near the incumbent (#44).
+
+A model of throughput learns only what was measured: where the loader sets the pace and the probes
+report no input wait, every precision measures the same, the model sees no reason to try more
+loader workers, and the search returns whatever noise put first. So before the budget ends each
+dimension (loader workers, accumulation, optimizer, attention kernel, compile mode,
+checkpointing) is asked once near the incumbent: a configuration that differs from it in that
+dimension (its batch size may differ too) has been probed, or the memory model and the measured
+failures rule every such variant out. The strategy decides when (its time kept to the end, or at
+once when configurations of different precisions measure alike: then something else, such as the
+loader, is the bottleneck) and checks what is allowed; this module says what is still unasked and
+which variant asks it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from autotune.params import TrialParams, mixed_precision_dtype
+from autotune.records import Probe
+from autotune.search.expert import EXPERT_PREFERENCES
+from autotune.search.ranking import Configuration, tie_band
+from autotune.space import SearchSpace
+
+# Cheapest question first: the loader's workers, accumulation and the optimizer leave the compiled
+# graph alone; another attention kernel or compile mode compiles anew; checkpointing moves the memory frontier.
+DIMENSIONS = ("dataloader_num_workers", "gradient_accumulation_steps", "optim", "attn_implementation", "torch_compile",
+              "gradient_checkpointing")
+_BATCH = "per_device_train_batch_size"
+
+
+def unasked(space: SearchSpace, incumbent: TrialParams, history: Iterable[Probe]) -> list[str]:
+    """The dimensions of :data:`DIMENSIONS` the space varies in which no probe differs from ``incumbent``
+    in that dimension alone (the batch size aside)."""
+    free = [d for d in DIMENSIONS if d in space.free_params and len(space.choices[d]) > 1]
+    base = incumbent.to_dict()
+    asked: set[str] = set()
+    for probe in history:
+        other = probe.params.to_dict()
+        differing = [name for name in base if name != _BATCH and other.get(name) != base[name]]
+        if len(differing) == 1:
+            asked.add(differing[0])
+    return [d for d in free if d not in asked]
+
+
+def variants(space: SearchSpace, incumbent: TrialParams, dimension: str) -> list[TrialParams]:
+    """The incumbent with ``dimension`` changed, the most informative value first: the most loader
+    workers (a loader-bound run gains most there), the next accumulation up, the prior's order for
+    the optimizer and attention kernel, the next compile mode (uncompiled last), checkpointing flipped."""
+    current = getattr(incumbent, dimension)
+    choices = [v for v in space.choices[dimension] if v != current]
+    if dimension in ("dataloader_num_workers", "gradient_accumulation_steps"):
+        up = sorted((v for v in choices if v > current), reverse=dimension == "dataloader_num_workers")
+        ordered: list[Any] = up + sorted((v for v in choices if v < current), reverse=True)
+    elif dimension == "torch_compile":
+        ordered = sorted(choices, key=lambda v: (v == "off", v))
+    else:
+        preferred = EXPERT_PREFERENCES.get(dimension, ())
+        ordered = sorted(choices, key=lambda v: preferred.index(v) if v in preferred else len(preferred))
+    return [space.with_changes(incumbent, **{dimension: v}) for v in ordered]
+
+
+def tie_across_precisions(feasible: list[Configuration]) -> bool:
+    """Whether configurations of 16 bits and of 32 bits measure alike (within :func:`tie_band` of the
+    fastest): then precision is not what limits throughput, and the other dimensions are asked at once."""
+    if len(feasible) < 2:
+        return False
+    fastest = max(feasible, key=lambda c: c.mean_samples_per_s)
+    tied = [c for c in feasible if fastest.mean_samples_per_s - c.mean_samples_per_s <= tie_band(fastest, c) * fastest.mean_samples_per_s]
+    return len({mixed_precision_dtype(c.params.precision) is not None for c in tied}) == 2
