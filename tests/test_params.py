@@ -90,3 +90,17 @@ def test_short_names_the_knobs_that_differ_from_their_defaults() -> None:
     params = TrialParams(dataloader_num_workers=2, dataloader_prefetch_factor=4, dataloader_persistent_workers=True,
                          dataloader_pin_memory=False, torch_empty_cache_steps=4, use_liger_kernel=True, precision="bf16+tf32")
     assert params.short() == "bs8x1 bf16+tf32 adamw_torch_fused sdpa w2 prefetch4 persistent no-pin empty-cache/4 liger"
+
+
+def test_a_users_own_config_fields_ride_along_in_every_form() -> None:
+    """TrialParams.extra: a user's config fields (TRL's packing) read as attributes, round-trip through to_dict (the
+    study), flat (Optuna, tables) and key (equal configurations), and reach the Trainer's kwargs."""
+    params = TrialParams(per_device_train_batch_size=16, extra={"packing": True, "max_length": 512})
+    assert params.packing is True and params.max_length == 512 and params.extra == (("max_length", 512), ("packing", True))
+    assert TrialParams.from_dict(params.to_dict()) == params and TrialParams.from_key(params.key()) == params
+    assert TrialParams.from_flat(params.flat(), ("packing", "max_length")) == params
+    assert params.replace(packing=False).packing is False and params.replace(packing=False) != params
+    assert params.training_arguments_kwargs()["packing"] is True and "packing=true" in params.short()
+    assert "extra" not in TrialParams().to_dict() and TrialParams().key()[-1] == ()  # studies from before read unchanged
+    with pytest.raises(AttributeError, match="no parameter 'padding_free'"):
+        _ = params.padding_free

@@ -756,3 +756,22 @@ def test_every_dimension_is_asked_near_the_incumbent() -> None:
     tied = rank_configurations([ran(0, incumbent, 100.0), ran(3, incumbent.replace(precision="fp32"), 100.5)], 10)
     assert coverage.tie_across_precisions(tied)
     assert not coverage.tie_across_precisions(rank_configurations([ran(0, incumbent, 100.0), ran(3, incumbent.replace(precision="fp32"), 60.0)], 10))
+
+
+def test_a_users_own_config_field_is_asked_near_the_incumbent_too() -> None:
+    """A field of the user's config class the space lists (TRL's packing) is a dimension like autotune's own."""
+    from autotune.config_fields import FieldKind
+    from autotune.records import Probe, ProbeResult
+    from autotune.search.strategies import coverage
+    from autotune.space import parse_space
+
+    fields = {"packing": FieldKind("packing", "bool", default=False)}
+    space = parse_space({"per_device_train_batch_size": [8, 16], "optim": ["adamw_torch", "adamw_torch_fused"], "packing": [False, True]},
+                        config_fields=fields, config_class="SFTConfig")
+    incumbent = space.complete({"per_device_train_batch_size": 16, "packing": False})
+    assert incumbent.packing is False and space.config_fields == ("packing",)
+    history = [Probe(0, incumbent, ProbeResult(status="ok", samples_per_s=100.0, peak_mem_bytes=1, wall_s=30.0))]
+    assert coverage.unasked(space, incumbent, history) == ["optim", "packing"]
+    assert [v.packing for v in coverage.variants(space, incumbent, "packing")] == [True]
+    history.append(Probe(1, incumbent.replace(packing=True), ProbeResult(status="ok", samples_per_s=250.0, peak_mem_bytes=1, wall_s=30.0)))
+    assert coverage.unasked(space, incumbent, history) == ["optim"]

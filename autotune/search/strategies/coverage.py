@@ -31,13 +31,14 @@ _BATCH = "per_device_train_batch_size"
 
 
 def unasked(space: SearchSpace, incumbent: TrialParams, history: Iterable[Probe]) -> list[str]:
-    """The dimensions of :data:`DIMENSIONS` the space varies in which no probe differs from ``incumbent``
-    in that dimension alone (the batch size aside)."""
-    free = [d for d in DIMENSIONS if d in space.free_params and len(space.choices[d]) > 1]
-    base = incumbent.to_dict()
+    """The dimensions of :data:`DIMENSIONS` (and the user's own config fields) the space varies in which no probe
+    differs from ``incumbent`` in that dimension alone (the batch size aside)."""
+    # The user's own config fields (TRL's packing...) come after autotune's: the space lists them because they matter.
+    free = [d for d in (*DIMENSIONS, *space.config_fields) if d in space.free_params and len(space.choices[d]) > 1]
+    base = incumbent.flat()
     asked: set[str] = set()
     for probe in history:
-        other = probe.params.to_dict()
+        other = probe.params.flat()
         differing = [name for name in base if name != _BATCH and other.get(name) != base[name]]
         if len(differing) == 1:
             asked.add(differing[0])
