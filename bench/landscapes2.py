@@ -73,7 +73,7 @@ from autotune.search.replay import ReplayEvaluator, ReplayTable, load_table
 GEN2_VERSION = 1  # bump with any change to a functional form, a range or the grid
 _SALT = 0x6E2  # keeps this generator's random streams apart from any other seeded by the same integers
 # Held-out ranges: name -> first draw. Each is run once and then spent; add a fresh one for the next comparison.
-RANGES = {"gen2-heldout": 0, "gen2-heldout2": 200_000}  # 100000-100001: a smoke test of the harness, seen
+RANGES = {"gen2-heldout": 0, "gen2-heldout2": 200_000, "gen2-heldout3": 400_000}  # 100000-100001: a smoke test of the harness, seen
 GIB = 2**30
 
 GRID: dict[str, tuple[Any, ...]] = {
@@ -502,7 +502,11 @@ def search_draw(strategy: str, index: int, budget_s: float, seed: int, noise_str
     study = optuna.create_study(direction="maximize", sampler=chosen.sampler(seed))
     settings = SearchSettings(memory_ceiling_bytes=d.ceiling_bytes, budget_s=budget_s, seed=seed, min_probe_s=1.0)
     started = time.process_time()
-    outcome = run_search(study, space, evaluator, settings, baseline=space.baseline(), clock=evaluator.clock, strategy=chosen)
+    from bench.search import table_expert
+
+    # The search runs the product's own expert rule (its batch from the table's recorded peaks), as a run does.
+    outcome = run_search(study, space, evaluator, settings, baseline=space.baseline(), expert=table_expert(table, d.ceiling_bytes),
+                         clock=evaluator.clock, strategy=chosen)
     cpu_s = time.process_time() - started
     ranked = ranked_configurations(study, d.ceiling_bytes)
     row: dict[str, Any] = {
