@@ -557,7 +557,7 @@ def _expert(plan: RunPlan) -> TrialParams:
     from autotune.search.memory import MemoryModel, ModelDims
 
     memory = MemoryModel(ModelDims.from_spec(plan.model, counts=plan.parameters), plan.seq_len)
-    return expert_params(plan.space, plan.baseline, memory, plan.memory_ceiling_bytes)
+    return expert_params(plan.space, plan.baseline, memory, plan.memory_ceiling_bytes, gpu=plan.device.is_cuda)
 
 
 def _user_trainer_plan(ref: Any, device: DeviceInfo, timeout_s: float, mode: IsolationMode, trainer_args: tuple[str, ...] | None = None,

@@ -523,3 +523,11 @@ def test_an_expert_out_of_memory_is_followed_by_a_smaller_batch(fake_gpu) -> Non
     small = expert.replace(per_device_train_batch_size=8)
     frugal_space = _space(optim=["adamw_torch_fused", "adamw_bnb_8bit", "adafactor"]).restrict(fake_gpu)
     assert expert_fallback(frugal_space, small, {small.key(): oom}, None, 40 * GiB) == small.replace(gradient_checkpointing=True, optim="adafactor")
+
+
+def test_on_a_cpu_the_expert_keeps_the_baselines_precision(fake_gpu) -> None:
+    from autotune.search.expert import expert_params
+
+    space = _space(optim=["adamw_torch", "adamw_torch_fused"]).restrict(fake_gpu)
+    assert expert_params(space, baseline_params(), None, 40 * GiB, gpu=False).precision == "fp32"
+    assert expert_params(space, baseline_params(), None, 40 * GiB).precision == "bf16"

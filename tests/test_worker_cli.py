@@ -121,5 +121,6 @@ def test_run_workers_starts_one_worker_per_device_and_follows_the_study(tmp_path
     outcome = run_workers(study, storage, ["cpu", "cpu"], plan.memory_ceiling_bytes, on_trial=seen.append,
                           command=lambda device: worker_command(storage, "s", device, n_trials=1))
     counts = _assert_one_search(storage)
-    assert outcome.probes_run == len(seen) == sum(counts.values()) >= 2  # one display saw every worker's probes
+    # One display saw every worker's probes (near-ties re-measured at the end come on top of the distinct configurations).
+    assert outcome.probes_run == len(seen) == sum(counts.values()) + outcome.remeasures and sum(counts.values()) >= 2
     assert any(record.is_baseline for record in seen)

@@ -33,7 +33,7 @@ EXPERT_PREFERENCES: dict[str, tuple[Any, ...]] = {
 
 
 def expert_params(space: SearchSpace, base: TrialParams, memory: Any, ceiling_bytes: int,
-                  rank_attention: Sequence[str] | None = None) -> TrialParams:
+                  rank_attention: Sequence[str] | None = None, *, gpu: bool = True) -> TrialParams:
     """The expert rule's configuration in ``space``, the other settings as in ``base`` (the run's baseline).
 
     Args:
@@ -43,12 +43,17 @@ def expert_params(space: SearchSpace, base: TrialParams, memory: Any, ceiling_by
             largest batch of the space.
         ceiling_bytes: the memory ceiling the batch must fit under.
         rank_attention: the attention kernels in order of preference, if not :data:`EXPERT_PREFERENCES`'s.
+        gpu: the device is a GPU. 16 bits is an expert's pick where matrix units run it (Tensor Cores); on a CPU
+            autocast's bf16 is emulated on most cores (3x slower than fp32 on this project's machines), so there
+            the expert keeps the baseline's precision.
 
     Returns:
         A point of ``space`` (its batch the largest predicted to fit, else the smallest of the space).
     """
     changes: dict[str, Any] = {}
     for name, preferred in EXPERT_PREFERENCES.items():
+        if name == "precision" and not gpu:
+            continue
         if name == "attn_implementation" and rank_attention is not None:
             preferred = tuple(rank_attention)
         choices = space.choices.get(name, ())
