@@ -217,6 +217,12 @@ class RunPlan:
             "objective": self.objective,
         }
 
+    def memory_model(self) -> Any:
+        """A fresh :class:`autotune.search.memory.MemoryModel` of the plan's model (as trained) at its sequence length."""
+        from autotune.search.memory import MemoryModel, ModelDims
+
+        return MemoryModel(ModelDims.from_spec(self.model, counts=self.parameters), self.seq_len)
+
     def study_attrs(self, command: str | None) -> dict[str, Any]:
         from autotune.models import count_parameters
 
@@ -356,8 +362,8 @@ def plan_run(options: RunOptions) -> RunPlan:
     trainer_args = _trainer_args(options, trainer_ref)
     space_data = None if isinstance(options.space, SearchSpace) else read_space_data(options.space)
     if trainer_ref is not None:  # the user's factory, called once in a child process: the parent never imports it
-        check_values = {str(k): v if isinstance(v, list) else [v] for k, v in (space_data or (None, {}))[1].items()
-                        if k not in PARAM_NAMES} if space_data else None
+        check_values = {str(k): v if isinstance(v, list) else [v] for k, v in space_data[1].items()
+                        if k not in PARAM_NAMES} if space_data and isinstance(space_data[1], dict) else None
         user, model_spec = _user_trainer_plan(trainer_ref, device_info, trial_timeout_s, ISOLATION_MODES[options.isolation],
                                               trainer_args, check_values)
         seq_len = user.seq_len
@@ -392,10 +398,9 @@ def plan_run(options: RunOptions) -> RunPlan:
             largest_lean_batch(model_spec, seq_len, device_info.total_memory_bytes, restricted, counts=user.parameters if user else None))
     if user is not None and user.trainer_args is not None and not user.takes_attn_flag:
         restricted = _attention_fixed(restricted, user)
-    baseline = _baseline(options.baseline, restricted, user, fields, class_name, supports_sdpa)
+    baseline, baseline_source = _baseline(options.baseline, restricted, user, fields, class_name, supports_sdpa)
     if not device_info.is_cuda:  # settings that change nothing on the CPU read as the one value the space keeps there
         baseline = baseline.replace(**{name: PARAM_DEFAULTS[name] for name in NO_EFFECT_ON_CPU})
-    baseline_source = "file" if options.baseline is not None else "user" if user is not None and user.user_config is not None else "defaults"
     # The baseline is always a point of the space, so Optuna can enqueue it (transformers' defaults run
     # everywhere: fp32, no compile, fused AdamW on CPU and CUDA, sdpa only where supported; a user's own
     # settings are theirs to run).
@@ -522,9 +527,10 @@ def _attention_fixed(space: SearchSpace, user: Any) -> SearchSpace:
 
 
 def _baseline(given: str | dict[str, Any] | None, space: SearchSpace, user: Any, fields: dict[str, Any], class_name: str,
-              supports_sdpa: bool) -> TrialParams:
+              supports_sdpa: bool) -> tuple[TrialParams, str]:
     """What the speed-up is measured against: ``--baseline`` (a file or mapping of config fields) over the user's own
-    settings (a ``make_trainer(argv)`` factory's, as its inputs give them), else over transformers' defaults.
+    settings (a ``make_trainer(argv)`` factory's, as its inputs give them), else over transformers' defaults; and
+    which of those it is (``file``, ``user``, ``defaults``: :attr:`RunPlan.baseline_source`).
 
     Raises:
         UsageError: a baseline file that does not load, or names a field the class does not have or a value it does not take.
@@ -534,7 +540,9 @@ def _baseline(given: str | dict[str, Any] | None, space: SearchSpace, user: Any,
     defaults = {name: fields[name].default for name in space.config_fields if name in fields}
     base = space.baseline() if supports_sdpa else space.baseline().replace(attn_implementation="eager")
     values: dict[str, Any] = {}
+    source = "defaults"
     if user is not None and user.user_config is not None:
+        source = "user"
         values = dict(user.user_config)
         if user.attn_implementation:
             values["attn_implementation"] = user.attn_implementation
@@ -544,20 +552,19 @@ def _baseline(given: str | dict[str, Any] | None, space: SearchSpace, user: Any,
         extra = given if isinstance(given, dict) else read_config_file(given)
         check_config_file(extra, fields, class_name)
         values.update(extra)
+        source = "file"
     params = params_from_config(values, base, space.config_fields, defaults)
     if space.effective_batch_size:
         params = space.with_changes(params)
-    return params
+    return params, source
 
 
 def _expert(plan: RunPlan) -> TrialParams:
     """The expert rule's configuration for the plan (:func:`autotune.search.expert.expert_params`), with its batch
     from the memory model of the plan's model; the user's other settings (their loader, their own fields) kept."""
     from autotune.search.expert import expert_params
-    from autotune.search.memory import MemoryModel, ModelDims
 
-    memory = MemoryModel(ModelDims.from_spec(plan.model, counts=plan.parameters), plan.seq_len)
-    return expert_params(plan.space, plan.baseline, memory, plan.memory_ceiling_bytes, gpu=plan.device.is_cuda)
+    return expert_params(plan.space, plan.baseline, plan.memory_model(), plan.memory_ceiling_bytes, gpu=plan.device.is_cuda)
 
 
 def _user_trainer_plan(ref: Any, device: DeviceInfo, timeout_s: float, mode: IsolationMode, trainer_args: tuple[str, ...] | None = None,
@@ -742,9 +749,7 @@ def execute(
     ``started_s`` (``time.monotonic()``): when the run began, so its set-up counts against the budget,
     and the search leaves :data:`FINISH_RESERVE_S` of it for loading the result and writing the report.
     """
-    from autotune.search.memory import MemoryModel, ModelDims
-
-    memory = MemoryModel(ModelDims.from_spec(plan.model, counts=plan.parameters), plan.seq_len)
+    memory = plan.memory_model()
     settings = plan.settings
     if settings.budget_s:
         settings = dataclasses.replace(settings, budget_s=settings.budget_s - finish_reserve_s(settings.budget_s))

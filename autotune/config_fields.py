@@ -17,7 +17,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from autotune.params import TrialParams, checkpointing_field, mixed_precision_dtype, parse_compile, uses_tf32
+from autotune.params import KNOBS_ADDED_LATER, PARAM_DEFAULTS, WORKER_ONLY_PARAMS, TrialParams
 
 Kind = Literal["bool", "int", "float", "str", "other"]
 
@@ -163,30 +163,13 @@ def check_config_values(name: str, values: tuple[Any, ...], fields: dict[str, Fi
 
 def config_overrides(params: TrialParams) -> dict[str, Any]:
     """Every config field a trial decides, with explicit values (``bf16=False`` for fp32), so that applied on top
-    of a user's own config (which may say ``bf16=True``) it gives exactly the trial. Fields whose value would be
-    None (torch's default prefetch, no cache emptying) are left out: a command-line flag cannot say None."""
-    amp = mixed_precision_dtype(params.precision)
-    backend, mode = parse_compile(params.torch_compile)
-    values: dict[str, Any] = {
-        "per_device_train_batch_size": params.per_device_train_batch_size,
-        "gradient_accumulation_steps": params.gradient_accumulation_steps,
-        "optim": params.optim,
-        "dataloader_num_workers": params.dataloader_num_workers,
-        checkpointing_field(): params.gradient_checkpointing,
-        "bf16": amp == "bf16", "fp16": amp == "fp16", "tf32": uses_tf32(params.precision),
-        "torch_compile": backend is not None,
-        "use_liger_kernel": params.use_liger_kernel,
-        "dataloader_pin_memory": params.dataloader_pin_memory,
-        "torch_empty_cache_steps": params.torch_empty_cache_steps,
-    }
-    if backend is not None:
-        values["torch_compile_backend"] = backend
-        if mode is not None:
-            values["torch_compile_mode"] = mode
-    if params.dataloader_num_workers:
-        values["dataloader_persistent_workers"] = params.dataloader_persistent_workers
-        values["dataloader_prefetch_factor"] = params.dataloader_prefetch_factor
-    values.update(params.extra)
+    of a user's own config (which may say ``bf16=True``) it gives exactly the trial: the trial's own
+    :meth:`~autotune.params.TrialParams.training_arguments_kwargs` over the values it leaves out because they are
+    transformers' defaults. Fields whose value would be None (torch's default prefetch, no cache emptying) are left
+    out: a command-line flag cannot say None."""
+    values: dict[str, Any] = {"bf16": False, "fp16": False, "tf32": False, "torch_compile": False}
+    values.update({name: PARAM_DEFAULTS[name] for name in KNOBS_ADDED_LATER if params.dataloader_num_workers or name not in WORKER_ONLY_PARAMS})
+    values.update(params.training_arguments_kwargs())
     return {k: v for k, v in values.items() if v is not None}
 
 

@@ -355,12 +355,11 @@ class TuneResult:
         """``1.49x your settings, 1.02x the expert rule``: the best against every reference this study measured."""
         parts = []
         for role, label in (("baseline", self.baseline_label), ("expert", "the expert rule")):
+            row = self.reference(role)
+            if row is None:
+                continue
             value = self.speedup_over(role)
-            if value is not None:
-                parts.append(f"{value:.2f}x {label}")
-            elif self.reference(role) is not None:
-                row = self.reference(role) or {}
-                parts.append(f"{label}: {row.get('status')}")
+            parts.append(f"{value:.2f}x {label}" if value is not None else f"{label}: {row.get('status')}")
         return ", ".join(parts)
 
     def busy_probes(self) -> int:

@@ -67,7 +67,7 @@ import numpy as np
 import pandas as pd
 
 from autotune.params import COMPILED_GRAPH_PARAMS, TrialParams
-from autotune.records import ProbeResult, ProbeStatus
+from autotune.records import ProbeStatus
 from autotune.search.replay import ReplayEvaluator, ReplayTable, load_table
 
 GEN2_VERSION = 1  # bump with any change to a functional form, a range or the grid
@@ -447,36 +447,20 @@ class CachedReplayEvaluator(ReplayEvaluator):
     ``probe_s`` to a probe whose compiled graph (:data:`autotune.params.COMPILED_GRAPH_PARAMS`) an
     earlier probe of the same search compiled (inductor's cache: ~10 s against 30-45 s cold; a
     checkpointed graph pays in full every time). A compile that crashed leaves nothing cached.
-    Everything else is the replay's own :meth:`ReplayEvaluator.evaluate`."""
+    Everything else is the replay's own :meth:`ReplayEvaluator.evaluate`; only :meth:`probe_cost_s` differs."""
 
     def __init__(self, table: ReplayTable) -> None:
         super().__init__(table)
         self._compiled: set[tuple[Any, ...]] = set()
 
-    def evaluate(self, params: TrialParams, *, timeout_s: float) -> ProbeResult:
-        row = self.table.row(params)
-        if row is None or params.torch_compile == "off":
-            return super().evaluate(params, timeout_s=timeout_s)
+    def probe_cost_s(self, params: TrialParams, row: pd.Series) -> float:
+        if params.torch_compile == "off":
+            return super().probe_cost_s(params, row)
         graph = tuple(getattr(params, n) for n in COMPILED_GRAPH_PARAMS)
         warm = graph in self._compiled
         if row["status"] != ProbeStatus.CRASH.value:
             self._compiled.add(graph)
-        if not warm:
-            return super().evaluate(params, timeout_s=timeout_s)
-        warm_s = float(row["probe_warm_s"])
-        self.probes += 1
-        if warm_s > timeout_s:
-            self.clock.advance(timeout_s)
-            return ProbeResult(status=ProbeStatus.TIMEOUT, error=f"replayed probe takes {warm_s:.0f} s > {timeout_s:.0f} s left", wall_s=timeout_s)
-        self.clock.advance(warm_s)
-        status = ProbeStatus(row["status"])
-        if status is ProbeStatus.OOM:
-            self.oom_probes += 1
-        if not status.is_ok():
-            return ProbeResult(status=status, error=f"replayed {status}", wall_s=warm_s)
-        samples_per_s = float(row["samples_per_s"])
-        return ProbeResult(status=ProbeStatus.OK, samples_per_s=samples_per_s, step_time_s=params.effective_batch_size / samples_per_s,
-                           peak_mem_bytes=int(row["peak_mem_bytes"]), wall_s=warm_s, measured_steps=1)
+        return float(row["probe_warm_s"]) if warm else super().probe_cost_s(params, row)
 
 
 # ---------------------------------------------------------------------- one scored search

@@ -104,3 +104,17 @@ def test_a_users_own_config_fields_ride_along_in_every_form() -> None:
     assert "extra" not in TrialParams().to_dict() and TrialParams().key()[-1] == ()  # studies from before read unchanged
     with pytest.raises(AttributeError, match="no parameter 'padding_free'"):
         _ = params.padding_free
+
+
+def test_a_trial_as_config_fields_says_every_setting_it_decides() -> None:
+    """config_overrides: applied over a user's own config (bf16=True, compiled), it gives exactly the trial."""
+    from autotune.config_fields import as_flags, config_overrides
+
+    fp32 = config_overrides(TrialParams())
+    assert (fp32["bf16"], fp32["fp16"], fp32["tf32"], fp32["torch_compile"], fp32["use_liger_kernel"]) == (False, False, False, False, False)
+    assert "torch_empty_cache_steps" not in fp32 and "dataloader_prefetch_factor" not in fp32  # None: no flag can say it
+    compiled = config_overrides(TrialParams(precision="bf16+tf32", torch_compile="inductor:max-autotune", dataloader_num_workers=2,
+                                            extra={"packing": True}))
+    assert (compiled["bf16"], compiled["fp16"], compiled["tf32"], compiled["torch_compile"]) == (True, False, True, True)
+    assert (compiled["torch_compile_mode"], compiled["dataloader_persistent_workers"], compiled["packing"]) == ("max-autotune", False, True)
+    assert as_flags({"bf16": True, "optim": "adamw_torch"}) == ["--bf16", "true", "--optim", "adamw_torch"]

@@ -237,8 +237,12 @@ class ReplayEvaluator:
     probes: int = 0
     oom_probes: int = 0
 
+    def probe_cost_s(self, params: TrialParams, row: pd.Series) -> float:
+        """What probing ``params`` costs on the clock: its row's ``probe_s``."""
+        return float(row["probe_s"])
+
     def evaluate(self, params: TrialParams, *, timeout_s: float) -> ProbeResult:
-        """Return the row of ``params`` as a ProbeResult.
+        """Return the row of ``params`` as a ProbeResult, charging :meth:`probe_cost_s` to the clock.
 
         Raises:
             ReplayTableError: if the table has no row for ``params``.
@@ -246,7 +250,7 @@ class ReplayEvaluator:
         row = self.table.row(params)
         if row is None:
             raise ReplayTableError(f"replay table {self.table.name} has no row for {params.short()}: the space and the table disagree")
-        probe_s = float(row["probe_s"])
+        probe_s = self.probe_cost_s(params, row)
         self.probes += 1
         if probe_s > timeout_s:
             self.clock.advance(timeout_s)
