@@ -34,12 +34,15 @@ phase                  box   what
 ``run``                320   ``autotune run --model polyglot-ko-1.3b --seq-len 512 --budget 5m`` (API), its
                              study database and HTML report in the output folder. 5 minutes, not 10, so
                              that the whole run fits in 25
-``side_by_side``       330   polyglot-ko-1.3b seq 512: transformers' defaults, ``auto_find_batch_size``
-                             (a plain Trainer from batch 64), the largest batch at defaults (double until
-                             OOM, then binary search, over short probes), an expert's pick (bf16, sdpa,
-                             fused AdamW, inductor, the memory model's largest batch), autotune's best;
-                             each then probed alike (2 warm-up steps, >= 5 measured); autotune's best
-                             re-measured by a plain ``Trainer.train()`` (target: within 5% of the probe)
+``side_by_side``       540   polyglot-ko-1.3b seq 512, in one call: ``autotune run --budget 200s`` (its
+                             baseline is transformers' defaults, its expert-rule reference measured
+                             right after), then with the run's own evaluator and ceiling a bf16 batch-16
+                             user, HF ``auto_find_batch_size`` (a real ``Trainer.train()`` from batch 64:
+                             every batch it tried, steps, peak, log) and the largest batch that fits
+                             (binsearch from 8 over full probes); any row out of memory measured one
+                             batch size of the space down; the best re-timed by a plain ``Trainer``
+                             with its exported ``TrainingArguments`` and none of autotune's code (target:
+                             within 5%). A box too small for the whole run is ``refused``
 ``landscape``          rest  pythia-160m seq 128: every combination of two values of each of the eight
                              dimensions (256 configurations, compiled ones last) under a ceiling where
                              the largest batch runs out of memory in about half the memory groups,

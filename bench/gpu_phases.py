@@ -9,6 +9,7 @@ period, by :mod:`bench.gpu_acceptance`) still leaves its rows.
 
 Statuses: ``ok`` (ran, its targets met), ``flagged`` (ran, a target missed: ``reason`` says
 which), ``skipped`` (did not apply here: ``reason`` says why), ``timeout`` (stopped at its box),
+``refused`` (its box cannot hold what it must run, never run shorter: ``reason`` names the box it needs),
 ``error`` (a bug in this harness: ``reason`` holds the traceback's last line).
 """
 
@@ -32,7 +33,7 @@ from typing import Any, NamedTuple
 from autotune.models import ModelSpec, resolve_model
 from autotune.params import COMPILED_GRAPH_PARAMS, PARAM_DEFAULTS, PARAM_NAMES, PRECISIONS, TrialParams
 from autotune.probe.evaluator import ProbeEvaluator
-from autotune.records import DeviceInfo, ProbeResult, ProbeStatus
+from autotune.records import DeviceInfo, ProbeResult
 from autotune.units import format_bytes, format_duration
 
 REPO = Path(__file__).resolve().parent.parent
@@ -84,9 +85,9 @@ class Plan:
     finder_start: int
     finder_max: int
     finder_max_trials: int
-    sbs_fallback_tune_s: float
-    sbs_warmup_steps: int  # the side-by-side's probes: every row measured alike, shorter than autotune's own
-    sbs_measure_steps: int
+    sbs_run_budget_s: float  # the side-by-side's own autotune run
+    sbs_rows_reserve_s: float  # what its other rows need after the run (the phase is refused in a smaller box)
+    bf16_user_batch: int
     timed_measure_steps: int
     land_model: str
     land_seq_len: int
@@ -100,7 +101,7 @@ FULL = Plan(
     quick=False,
     total_s=25 * 60,
     boxes_s={
-        "tests": 180, "repeatability": 100, "precision_compile": 240, "ceiling": 75, "run": 320, "side_by_side": 330,
+        "tests": 180, "repeatability": 100, "precision_compile": 240, "ceiling": 75, "run": 320, "side_by_side": 540,
         "landscape": 540,  # alone (--phase landscape): under 10 minutes a call, it goes on from the rows already probed
     },
     landscape_floor_s=240,
@@ -113,7 +114,7 @@ FULL = Plan(
     ceiling_model="pythia-410m", ceiling_seq_len=512, ceiling_bytes=16 * GiB, ceiling_factors=(0.5, 0.75, 1.0, 1.25, 1.5, 2.0),
     run_model="polyglot-ko-1.3b", run_seq_len=512, run_budget_s=300, run_space="default", run_report_reserve_s=20,
     sbs_model="polyglot-ko-1.3b", sbs_seq_len=512, auto_find_start=64, auto_find_steps=3,
-    finder_start=2, finder_max=1024, finder_max_trials=25, sbs_fallback_tune_s=120, sbs_warmup_steps=2, sbs_measure_steps=5,
+    finder_start=8, finder_max=1024, finder_max_trials=25, sbs_run_budget_s=200, sbs_rows_reserve_s=300, bf16_user_batch=16,
     timed_measure_steps=20,
     land_model="pythia-160m", land_seq_len=128,
     land_grid={
@@ -133,7 +134,7 @@ QUICK = replace(
     FULL,
     quick=True,
     total_s=5 * 60,
-    boxes_s={"tests": 60, "repeatability": 40, "precision_compile": 60, "ceiling": 40, "run": 30, "side_by_side": 90, "landscape": 60},
+    boxes_s={"tests": 60, "repeatability": 40, "precision_compile": 60, "ceiling": 40, "run": 30, "side_by_side": 150, "landscape": 60},
     landscape_floor_s=30,
     grace_s=15,
     warmup_steps=1, measure_steps=2, max_measure_steps=2, max_measure_s=2.0,
@@ -143,7 +144,7 @@ QUICK = replace(
     ceiling_model="tiny-gptneox", ceiling_seq_len=32, ceiling_bytes=None, ceiling_factors=(1.0, 2.0),
     run_model="tiny-gptneox", run_seq_len=32, run_budget_s=10, run_space="quick", run_report_reserve_s=10,
     sbs_model="tiny-gptneox", sbs_seq_len=32, auto_find_start=16, auto_find_steps=2,
-    finder_start=2, finder_max=8, finder_max_trials=3, sbs_fallback_tune_s=10, sbs_warmup_steps=1, sbs_measure_steps=2,
+    finder_start=2, finder_max=8, finder_max_trials=4, sbs_run_budget_s=30, sbs_rows_reserve_s=30, bf16_user_batch=4,
     timed_measure_steps=4,
     land_model="tiny-gptneox", land_seq_len=32,
     land_grid={
@@ -557,7 +558,7 @@ def phase_run(ctx: Context) -> PhaseOutput:
     storage = study_storage(ctx.out)
     command = f"autotune run --model {plan.run_model} --seq-len {plan.run_seq_len} --budget {budget_s:.0f}s --space {plan.run_space} --storage {storage}"
     ctx.log(command)
-    result, wall_s = _tune(ctx, plan.run_model, plan.run_seq_len, budget_s, storage, command)
+    result, wall_s, _, _ = _tune(ctx, plan.run_model, plan.run_seq_len, budget_s, storage, command)
     data = _tune_figures(result, wall_s)
     data.update(command=command, budget_s=budget_s, storage=storage, database=(ctx.out / "autotune.db").name)
     report = ctx.out / f"{result.study_name}.html"
@@ -584,9 +585,11 @@ def phase_run(ctx: Context) -> PhaseOutput:
     return output("ok", f"best {data['best_config']}, {fmt(data['speedup'], 'ratio')}x the defaults", data, f"{headline}.\n\n{table}")
 
 
-def _tune(ctx: Context, model: str, seq_len: int, budget_s: float, storage: str, command: str, study: str | None = None) -> tuple[Any, float]:
+def _tune(ctx: Context, model: str, seq_len: int, budget_s: float, storage: str, command: str,
+          study: str | None = None) -> tuple[Any, float, Any, Any]:
     """:func:`autotune.api.tune`'s own path (``plan_run`` then ``run_plan``); in quick mode its probes
-    stop measuring sooner, so that a budget of seconds runs a few of them."""
+    stop measuring sooner, so that a budget of seconds runs a few of them. (result, wall seconds, the
+    run's plan, the evaluator its probes ran with)."""
     from autotune.api import RunOptions, plan_evaluator, plan_run, run_plan
 
     plan = ctx.plan
@@ -595,11 +598,11 @@ def _tune(ctx: Context, model: str, seq_len: int, budget_s: float, storage: str,
         model=model, seq_len=seq_len, budget=budget_s, space=plan.run_space, device=ctx.device_arg, storage=storage, study=study,
         warmup_steps=plan.warmup_steps, measure_steps=plan.measure_steps, trial_timeout=plan.probe_cap_s,
     ))
-    evaluator = None
+    evaluator = plan_evaluator(run)
     if plan.quick:
-        evaluator = replace(plan_evaluator(run), max_measure_steps=plan.max_measure_steps, max_measure_s=plan.max_measure_s)
+        evaluator = replace(evaluator, max_measure_steps=plan.max_measure_steps, max_measure_s=plan.max_measure_s)
     result = run_plan(run, evaluator=evaluator, report_dir=ctx.out, command=command).result
-    return result, time.monotonic() - started
+    return result, time.monotonic() - started, run, evaluator
 
 
 def _ranked_rows(frame: Any) -> list[dict[str, Any]]:
@@ -647,116 +650,287 @@ def _tune_figures(result: Any, wall_s: float | None) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------- 6. side by side
 
 
+SBS_METHODS = (  # the table's rows, in this order
+    ("defaults", "transformers defaults (the run's baseline)"),
+    ("bf16_user", "a bf16 user"),
+    ("auto_find", "HF auto_find_batch_size"),
+    ("largest", "largest batch that fits"),
+    ("expert", "expert rule (the run's reference)"),
+    ("autotune", "autotune"),
+)
+
+
 def phase_side_by_side(ctx: Context) -> PhaseOutput:
-    """transformers' defaults, auto_find_batch_size, the largest batch that fits, an expert's pick and autotune's best, probed
-    alike; then autotune's best re-measured by a plain Trainer."""
-    from autotune.space import load_space
-
+    """Every row measured alike in this call: an ``autotune run`` first (its baseline is transformers'
+    defaults and it measures the expert rule as a reference), then, with the run's own probe protocol and
+    ceiling, a bf16 user's settings, HF ``auto_find_batch_size`` (a real ``Trainer.train()``: every batch it
+    tried, its steps, peak and log) and the largest batch that fits; a row out of memory steps down one
+    batch size of the space, whichever row it is. Then autotune's best re-timed by a plain ``Trainer``
+    that runs none of autotune's code. A box that cannot hold the whole run is refused, never shortened."""
     plan = ctx.plan
+    needed_s = plan.sbs_run_budget_s + plan.sbs_rows_reserve_s
+    if ctx.remaining() < needed_s:
+        reason = (f"refused: the {ctx.remaining():.0f}s left in the box cannot hold the {plan.sbs_run_budget_s:.0f}s autotune run and "
+                  f"{plan.sbs_rows_reserve_s:.0f}s for the other rows; give it --box side_by_side={needed_s:.0f} or more")
+        return output("refused", reason, {}, f"Not run: {reason}.")
     model = resolve_model(plan.sbs_model)
-    run_data = _read_phase(ctx.out, "run")
-    ceiling = (run_data or {}).get("memory_ceiling_bytes") or int(0.95 * ctx.device.total_memory_bytes)
-    evaluator = replace(
-        ctx.evaluator(model, plan.sbs_seq_len, ceiling=ceiling), warmup_steps=plan.sbs_warmup_steps, measure_steps=plan.sbs_measure_steps,
-    )
-    finder_evaluator = ctx.evaluator(model, plan.sbs_seq_len, short=True, ceiling=ceiling)
-    rows = ctx.partial.setdefault("rows", [])
-    notes: list[str] = []
-    measured: dict[tuple[Any, ...], ProbeResult | None] = {}
-
-    def measure(params: TrialParams) -> ProbeResult | None:
-        # Two methods that land on the same configuration share its measurement.
-        if measured.get(params.key()) is None:
-            measured[params.key()] = ctx.probe(evaluator, params)
-        return measured[params.key()]
-
+    storage = study_storage(ctx.out, "side_by_side.db")
+    command = (f"autotune run --model {plan.sbs_model} --seq-len {plan.sbs_seq_len} --budget {plan.sbs_run_budget_s:.0f}s "
+               f"--space {plan.run_space} --storage {storage}")
+    ctx.log(command)
+    result, run_wall_s, run, evaluator = _tune(ctx, plan.sbs_model, plan.sbs_seq_len, plan.sbs_run_budget_s, storage, command,
+                                               study="side-by-side")
+    run_figures = {**_tune_figures(result, run_wall_s), "command": command, "database": "side_by_side.db"}
+    ceiling = result.memory_ceiling_bytes
+    sizes = sorted(run.space.choices["per_device_train_batch_size"])
+    table = SideBySide(ctx, evaluator, ceiling, sizes, result)
+    rows: dict[str, dict[str, Any]] = ctx.partial.setdefault("rows_by_method", {})
     defaults = TrialParams()
-    rows.append(probe_row(defaults, measure(defaults), method="transformers defaults", time_to_find_s=0.0))
 
-    # auto_find_batch_size as users run it: one Trainer, in-process retries after each OOM.
-    found = _trainer_run(ctx, model, plan.sbs_seq_len, {"mode": "auto_find", "start_batch": plan.auto_find_start, "steps": plan.auto_find_steps})
-    if found.get("status") == "ok":
-        params = defaults.replace(per_device_train_batch_size=found["batch_size"])
-        rows.append(probe_row(params, measure(params), method=f"auto_find_batch_size (from {plan.auto_find_start})",
-                              time_to_find_s=found.get("train_s")))
-    else:
-        rows.append({**probe_row(defaults, None), "method": "auto_find_batch_size", "status": found.get("status", "crash"),
-                     "error": found.get("error")})
+    rows["defaults"] = table.reference_row("baseline")
+    rows["expert"] = table.reference_row("expert")
+    best_params = TrialParams.from_dict(result.best_params) if result.best_params else None
+    rows["autotune"] = (table.study_row(best_params, time_to_find_s=run_figures["time_to_best_s"]) if best_params is not None
+                        else {"status": "nothing fit", "error": "autotune found nothing that fits"})
 
-    # The largest batch at default settings: double until OOM, then binary search (Lightning's "binsearch").
-    largest, finder_s, finder_probes = _largest_batch(ctx, finder_evaluator, defaults, ceiling)
-    if largest is not None:
-        params = defaults.replace(per_device_train_batch_size=largest)
-        rows.append(probe_row(params, measure(params), method=f"largest batch that fits ({finder_probes} probes)",
-                              time_to_find_s=finder_s))
-    else:
-        rows.append({**probe_row(defaults, None), "method": "largest batch that fits", "error": "no batch fit, or no time left"})
-
-    # An expert's hand-tuned pick: bf16, sdpa, fused AdamW, compiled, at the largest batch the memory model allows.
-    sizes = [b for b in load_space(plan.run_space).choices["per_device_train_batch_size"] if b <= plan.finder_max]
-    rows.append(_expert(ctx, model, measure, ceiling, sizes))
-
-    # autotune's best, from the run phase's study, else a short run here.
-    best_params, time_to_best, source = _autotune_best(ctx, run_data, notes)
-    if best_params is not None:
-        params = TrialParams.from_dict(best_params)
-        best_result = measure(params)
-        rows.append(probe_row(params, best_result, method=f"autotune ({source})", time_to_find_s=time_to_best))
-    else:
-        best_result = None
-        rows.append({**probe_row(defaults, None), "method": "autotune", "status": "nothing fit", "error": "autotune found nothing that fits"})
-
-    # The same configuration trained by a plain Trainer outside the probe: must agree within 5%.
+    # The best re-timed by a plain Trainer next, while inductor's cache holds its compiled graphs.
     check: dict[str, Any] = {"status": "not run"}
-    if best_params is not None and best_result is not None and best_result.ok and ctx.remaining() > (5 if plan.quick else 30):
-        params = TrialParams.from_dict(best_params)
-        request = {"mode": "timed", "params": params.to_dict(), "warmup_steps": evaluator.spec_for(params).warmup_steps,
-                   "measure_steps": max(plan.timed_measure_steps, best_result.measured_steps)}
-        check = _trainer_run(ctx, model, plan.sbs_seq_len, request)
-        if check.get("status") == "ok" and best_result.samples_per_s:
-            check["ratio"] = check["samples_per_s"] / best_result.samples_per_s
+    best_row = rows["autotune"]
+    if best_params is not None and best_row.get("samples_per_s"):
+        request = {"mode": "timed", "config": dict(model.config), "seq_len": plan.sbs_seq_len,
+                   "training_arguments": best_params.training_arguments_kwargs(), "attn_implementation": best_params.attn_implementation,
+                   "effective_batch_size": best_params.effective_batch_size, "warmup_steps": evaluator.warmup_steps,
+                   "measure_steps": max(plan.timed_measure_steps, int(best_row.get("measured_steps") or 0))}
+        check = _trainer_run(ctx, model, plan.sbs_seq_len, request, log_name="trainer_timed.log")
+        if check.get("status") == "ok":
+            check["ratio"] = check["samples_per_s"] / best_row["samples_per_s"]
             check["within_tolerance"] = abs(check["ratio"] - 1) <= RATIO_TOLERANCE
 
-    base = next((r.get("samples_per_s") for r in rows if r["method"] == "transformers defaults"), None)
-    for row in rows:
-        row["speedup_vs_defaults"] = row["samples_per_s"] / base if base and row.get("samples_per_s") else None
-    data = {"model": model.name, "seq_len": plan.sbs_seq_len, "memory_ceiling_bytes": ceiling, "rows": rows, "plain_trainer_check": check,
-            "notes": notes}
+    # HF auto_find_batch_size as users run it, under the run's ceiling; what it settled on, probed like the rest.
+    found = _trainer_run(ctx, model, plan.sbs_seq_len, {"mode": "auto_find", "start_batch": plan.auto_find_start,
+                                                        "steps": plan.auto_find_steps, "memory_ceiling_bytes": ceiling},
+                         log_name="trainer_auto_find.log")
+    auto_find = {k: found.get(k) for k in ("status", "tried_batches", "steps_run", "train_s", "peak_allocated_bytes",
+                                           "peak_reserved_bytes", "error")}
+    if found.get("status") == "ok" and found.get("batch_size"):
+        rows["auto_find"] = table.measured_row(defaults.replace(per_device_train_batch_size=int(found["batch_size"])),
+                                               time_to_find_s=found.get("wall_s"))
+    else:
+        rows["auto_find"] = {"status": found.get("status", "crash"), "error": found.get("error")}
+    rows["auto_find"]["auto_find"] = auto_find
+
+    sixteen = _precision_for(ctx.device)
+    rows["bf16_user"] = table.measured_row(defaults.replace(precision=sixteen, per_device_train_batch_size=plan.bf16_user_batch))
+
+    # The largest batch at default settings: Lightning's binsearch, each step a full probe of the run's protocol.
+    largest, finder_s, finder_probes = _largest_batch(ctx, table, defaults, ceiling)
+    rows["largest"] = (table.measured_row(defaults.replace(per_device_train_batch_size=largest), time_to_find_s=finder_s,
+                                          finder_probes=finder_probes) if largest is not None
+                       else {"status": "not run", "error": "no batch fit, or no time left"})
+
+    ordered = [{"method": _method_label(key, rows[key], plan, sixteen), "key": key, **rows[key]} for key, _ in SBS_METHODS if key in rows]
+    peak_tflops_bf16 = _bf16_peak_tflops(ctx.device)
+    for row in ordered:
+        row["mfu_of_bf16_peak"] = (row["achieved_tflops"] / peak_tflops_bf16
+                                   if peak_tflops_bf16 and row.get("achieved_tflops") else None)
+        for ref in ("defaults", "bf16_user", "expert"):
+            base = rows.get(ref, {}).get("samples_per_s")
+            row[f"speedup_vs_{ref}"] = row["samples_per_s"] / base if base and row.get("samples_per_s") else None
+    data = {"model": model.name, "seq_len": plan.sbs_seq_len, "memory_ceiling_bytes": ceiling, "run": run_figures,
+            "protocol": {"warmup_steps": evaluator.warmup_steps, "measure_steps": evaluator.measure_steps,
+                         "max_measure_steps": evaluator.max_measure_steps, "max_measure_s": evaluator.max_measure_s},
+            "bf16_peak_tflops": peak_tflops_bf16, "rows": ordered, "plain_trainer_check": check}
+    markdown = _side_by_side_markdown(ctx, data, check)
+    return _side_by_side_verdict(ctx, data, check, markdown)
+
+
+def _method_label(key: str, row: dict[str, Any], plan: Plan, sixteen: str) -> str:
+    labels = dict(SBS_METHODS)
+    if key == "bf16_user":
+        return f"a {sixteen} user (batch {plan.bf16_user_batch}, the rest default)"
+    if key == "auto_find":
+        tried = (row.get("auto_find") or {}).get("tried_batches") or []
+        return f"{labels[key]} (from {plan.auto_find_start}; tried {', '.join(map(str, tried)) or 'nothing'})"
+    if key == "largest":
+        return f"{labels[key]} ({row.get('finder_probes', 0)} full probes)"
+    if key == "autotune":
+        return f"autotune ({format_duration(plan.sbs_run_budget_s)} run, this call)"
+    return labels[key]
+
+
+def _bf16_peak_tflops(device: DeviceInfo) -> float | None:
+    from autotune.probe.flops import peak_tflops
+
+    return peak_tflops(device.name, "bf16") if device.is_cuda else None
+
+
+class SideBySide:
+    """Every row's measurement: a configuration the run measured is read from its study (averaged over its
+    probes as the ranking does), any other is probed here with the run's evaluator; one cache, so two
+    methods that land on one configuration share its figures."""
+
+    def __init__(self, ctx: Context, evaluator: Any, ceiling: int | None, batch_sizes: list[int], result: Any) -> None:
+        self.ctx, self.evaluator, self.ceiling, self.sizes, self.result = ctx, evaluator, ceiling, batch_sizes, result
+        self.rows: dict[tuple[Any, ...], dict[str, Any]] = {}
+        for record in _ranked_rows(result.configurations()):
+            params = TrialParams.from_dict({n: record[n] for n in PARAM_NAMES})
+            self.rows[params.key()] = self._study_figures(params, record)
+
+    def _study_figures(self, params: TrialParams, record: dict[str, Any]) -> dict[str, Any]:
+        keep = ("status", "samples_per_s", "tokens_per_s", "step_time_s", "peak_mem_bytes", "peak_reserved_bytes", "mfu", "achieved_tflops",
+                "matmul_precision", "step_time_ci95_rel", "input_wait_fraction", "n_measurements", "spread_rel", "reason")
+        row = {"config": params.short(), **params.to_dict(), **{k: record.get(k) for k in keep},
+               "source": f"the run's study, trials {', '.join(map(str, record.get('probe_trials') or ()))}"}
+        if row["status"] == "ok" and self.ceiling is not None and (row.get("peak_mem_bytes") or 0) > self.ceiling:
+            row["status"] = "over ceiling"
+        return row
+
+    def probe(self, params: TrialParams) -> dict[str, Any] | None:
+        """The configuration's figures, probed here if the run did not measure it; None when the box is spent."""
+        key = params.key()
+        if key not in self.rows:
+            result = self.ctx.probe(self.evaluator, params)
+            if result is None:
+                return None
+            row = probe_row(params, result, source="probed here, the run's protocol")
+            if result.ok and not result.fits(self.ceiling):
+                row["status"] = "over ceiling"
+            self.rows[key] = row
+        return self.rows[key]
+
+    def fits(self, row: dict[str, Any] | None) -> bool | None:
+        """True: ran under the ceiling; False: out of memory or over it; None: says nothing of memory (crash, timeout, not run)."""
+        if row is None:
+            return None
+        if row["status"] == "ok":
+            return True
+        return False if row["status"] in ("oom", "over ceiling") else None
+
+    def step_down(self, batch: int) -> int | None:
+        smaller = [b for b in self.sizes if b < batch]
+        return max(smaller) if smaller else None
+
+    def measured_row(self, params: TrialParams, *, time_to_find_s: float | None = None, **extra: Any) -> dict[str, Any]:
+        """``params`` measured; out of memory, the next smaller batch of the space, at most three times (the one step-down rule)."""
+        tried: list[int] = []
+        for _ in range(4):
+            row = self.probe(params)
+            tried.append(params.per_device_train_batch_size)
+            smaller = self.step_down(params.per_device_train_batch_size)
+            if row is not None and self.fits(row) is False and smaller is not None and len(tried) < 4:
+                params = params.replace(per_device_train_batch_size=smaller)
+                continue
+            break
+        out = dict(row) if row is not None else {"config": params.short(), **params.to_dict(), "status": "not run",
+                                                 "error": "no time left in the phase's box"}
+        return {**out, "time_to_find_s": time_to_find_s, "stepped_down_from": tried[:-1] or None, **extra}
+
+    def study_row(self, params: TrialParams, *, time_to_find_s: float | None = None) -> dict[str, Any]:
+        return {**self.rows[params.key()], "time_to_find_s": time_to_find_s} if params.key() in self.rows else self.measured_row(params)
+
+    def reference_row(self, role: str) -> dict[str, Any]:
+        """The run's baseline or expert, stepped down like every row if it ran out of memory."""
+        reference = self.result.reference(role)
+        if reference is None:
+            return {"status": "not run", "error": f"the run measured no {role}"}
+        params = TrialParams.from_dict({n: _plain(reference[n]) for n in PARAM_NAMES})
+        return self.measured_row(params, time_to_find_s=0.0)
+
+
+def _largest_batch(ctx: Context, table: Any, params: TrialParams, ceiling: int | None) -> tuple[int | None, float, int]:
+    """Lightning's ``binsearch`` batch finder: double from ``finder_start`` (transformers' default batch, 8, on the GPU) until a probe does not fit,
+    then halve the interval until it is one wide. (largest fitting batch, probe seconds, probes run here)."""
+    plan = ctx.plan
+    low, high, size = 0, None, plan.finder_start
+    spent, probes = 0.0, 0
+    for _ in range(plan.finder_max_trials):
+        already = params.replace(per_device_train_batch_size=size).key() in table.rows
+        row = table.probe(params.replace(per_device_train_batch_size=size))
+        if row is None:
+            break
+        if not already:
+            probes += 1
+            spent += row.get("wall_s") or 0.0
+        fits = table.fits(row)
+        if fits is None:
+            break  # a crash or a timeout says nothing about memory
+        if fits:
+            low = size
+            if high is None:
+                if size >= plan.finder_max:
+                    break
+                size = min(size * 2, plan.finder_max)
+                continue
+        else:
+            high = size
+        if high - low <= 1:
+            break
+        size = (low + high) // 2
+    return (low or None), spent, probes
+
+
+def _side_by_side_markdown(ctx: Context, data: dict[str, Any], check: dict[str, Any]) -> str:
+    run, protocol, rows = data["run"], data["protocol"], data["rows"]
+    peak = data["bf16_peak_tflops"]
+    mfu_header = f"MFU of the bf16 dense peak ({peak:.0f} TFLOP/s)" if peak else "MFU (no known peak here)"
     table = md_table(
-        ["method", "configuration", "status", "samples/s", "tokens/s", "peak memory", "MFU", "J/sample", "time to find", "vs defaults"],
-        [(r["method"], r["config"], r["status"], fmt(r.get("samples_per_s")), fmt(r.get("tokens_per_s")), fmt(r.get("peak_mem_bytes"), "bytes"),
-          fmt(r.get("mfu"), "pct"), fmt(r.get("energy_per_sample_j")), fmt(r.get("time_to_find_s"), "s"),
-          f"{r['speedup_vs_defaults']:.2f}x" if r.get("speedup_vs_defaults") else "-") for r in rows],
+        ["method", "configuration", "status", "samples/s", "tokens/s", "peak memory", "TFLOP/s", mfu_header, "vs defaults",
+         "vs bf16 user", "vs expert", "time to find", "measured"],
+        [(r["method"], r.get("config", "-"), r["status"], fmt(r.get("samples_per_s")), fmt(r.get("tokens_per_s")),
+          fmt(r.get("peak_mem_bytes"), "bytes"), fmt(r.get("achieved_tflops")), fmt(r.get("mfu_of_bf16_peak"), "pct"),
+          *(f"{r[f'speedup_vs_{k}']:.2f}x" if r.get(f"speedup_vs_{k}") else "-" for k in ("defaults", "bf16_user", "expert")),
+          fmt(r.get("time_to_find_s"), "s"), r.get("source") or r.get("error") or "-") for r in rows],
     )
+    auto = next((r.get("auto_find") for r in rows if r["key"] == "auto_find"), None) or {}
+    auto_line = (f"HF `auto_find_batch_size`: a plain `Trainer.train()` of {auto.get('steps_run')} steps from batch "
+                 f"{ctx.plan.auto_find_start} under the same ceiling, tried {auto.get('tried_batches')}, peak allocated "
+                 f"{fmt(auto.get('peak_allocated_bytes'), 'bytes')}, {fmt(auto.get('train_s'), 's')}; log `trainer_auto_find.log`"
+                 if auto.get("status") == "ok" else f"HF `auto_find_batch_size`: {auto.get('status')} {auto.get('error') or ''}")
+    stepped = [f"{r['method']}: out of memory at batch {', '.join(map(str, r['stepped_down_from']))}, measured one size down"
+               for r in rows if r.get("stepped_down_from")]
     if check.get("ratio") is not None:
         verdict = "within" if check["within_tolerance"] else "OUTSIDE"
-        check_line = (
-            f"Plain `Trainer.train()` re-measure of autotune's best ({check['measured_steps']} steps after warm-up, synchronised): "
-            f"{check['samples_per_s']:.2f} samples/s, {check['ratio']:.3f}x the probe's figure: {verdict} the {RATIO_TOLERANCE:.0%} tolerance"
-        )
+        check_line = (f"Plain `Trainer.train()` of autotune's best (its `TrainingArguments`, none of autotune's code; "
+                      f"{check['measured_steps']} steps after {check['warmup_steps']} warm-up, synchronised): {check['samples_per_s']:.2f} "
+                      f"samples/s, {check['ratio']:.3f}x the probe's figure: {verdict} the {RATIO_TOLERANCE:.0%} tolerance; log `trainer_timed.log`")
     else:
-        check_line = f"Plain `Trainer.train()` re-measure: {check.get('status')} {check.get('error') or ''}".strip()
-    markdown = (
-        f"{model.name} seq {plan.sbs_seq_len}, every row probed the same way (fresh process, {evaluator.warmup_steps} warm-up steps, "
-        f"at least {evaluator.measure_steps} measured, until stable or {evaluator.max_measure_s:.0f}s), under the {format_bytes(ceiling)} ceiling of the run phase. Time to find: auto_find_batch_size's "
-        f"`Trainer.train()` with its OOM retries; the finder's short probes; autotune's time until its best was first measured.\n\n"
-        f"{table}\n\n{check_line}." + "".join(f"\n\n{n}" for n in notes)
+        check_line = f"Plain `Trainer.train()` re-timing: {check.get('status')} {check.get('error') or ''}".strip()
+    return (
+        f"{data['model']} seq {data['seq_len']}, one call, one probe protocol (a fresh process each, {protocol['warmup_steps']} warm-up "
+        f"steps, at least {protocol['measure_steps']} measured, until stable or {protocol['max_measure_s']:.0f}s), one ceiling "
+        f"({fmt(data['memory_ceiling_bytes'], 'bytes')}). `{run['command']}`: stopped because {run['stopped_because']} after "
+        f"{fmt(run['wall_s'], 's')}; its baseline (transformers' defaults), its expert-rule reference and its best are read from its "
+        f"study; the other rows are probed after it with its evaluator. A row out of memory is measured one batch size of the space "
+        f"down, whichever row it is. Time to find: autotune's until its best was first measured; auto_find's whole `Trainer.train()`; "
+        f"the finder's probes. MFU: achieved model FLOP/s over one denominator for every row, named in the header.\n\n"
+        f"{table}\n\n{auto_line}.\n\n{check_line}." + "".join(f"\n\n{s}." for s in stepped)
     )
-    failed = [r["method"] for r in rows if r["status"] not in ("ok",)]
+
+
+def _side_by_side_verdict(ctx: Context, data: dict[str, Any], check: dict[str, Any], markdown: str) -> PhaseOutput:
+    rows = data["rows"]
+    if any(r["status"] == "not run" for r in rows) or check.get("status") == "not run":
+        missing = [r["method"] for r in rows if r["status"] == "not run"] + (["the plain Trainer re-timing"] if check.get("status") == "not run" else [])
+        return output("timeout", f"not run within the {ctx.box_s:.0f}s box: {', '.join(missing)}", data, markdown)
     if check.get("within_tolerance") is False:
         return output("flagged", f"plain Trainer / probe = {check['ratio']:.3f}, outside {RATIO_TOLERANCE:.0%}", data, markdown)
-    if any(r["status"] == "not run" for r in rows) or check.get("status") == "not run":
-        return output("timeout", f"not everything ran within the {ctx.box_s:.0f}s box: {', '.join(failed) or 'the plain Trainer check'}",
-                      data, markdown)
+    failed = [f"{r['method']}: {r['status']}" for r in rows if r["status"] != "ok"]
     if failed or check.get("status") != "ok":
-        return output("flagged", f"not ok: {', '.join(failed) or 'the plain Trainer check: ' + str(check.get('error'))}", data, markdown)
-    return output("ok", f"plain Trainer / probe = {check['ratio']:.3f}", data, markdown)
+        return output("flagged", "not ok: " + "; ".join(failed or [f"the plain Trainer re-timing: {check.get('error')}"]), data, markdown)
+    best = next(r for r in rows if r["key"] == "autotune")
+    fastest = max(rows, key=lambda r: r.get("samples_per_s") or 0.0)
+    share = best["samples_per_s"] / fastest["samples_per_s"]
+    if share < 0.98:
+        return output("flagged", f"autotune's best is {share:.3f} of the fastest row ({fastest['method']})", data, markdown)
+    return output("ok", f"autotune {share:.3f} of the fastest row; plain Trainer / probe = {check['ratio']:.3f}", data, markdown)
 
 
-def _trainer_run(ctx: Context, model: ModelSpec, seq_len: int, request: dict[str, Any]) -> dict[str, Any]:
+def _trainer_run(ctx: Context, model: ModelSpec, seq_len: int, request: dict[str, Any], *, log_name: str) -> dict[str, Any]:
     """A :mod:`bench.gpu_trainer` request in a process of its own: forked from autotune's probe server
-    (torch already imported), or a new interpreter where that server is not usable."""
+    (torch already imported), or a new interpreter where that server is not usable. Its log is kept as
+    ``log_name`` in the output folder."""
     import multiprocessing
+    import shutil
     import signal
 
     from autotune.probe.isolation import child_env, start_server
@@ -770,7 +944,7 @@ def _trainer_run(ctx: Context, model: ModelSpec, seq_len: int, request: dict[str
     # The probes' environment: the same GPU, outside any distributed job, libraries quiet.
     env = child_env(ProbeSpec(model=model.to_dict(), params=TrialParams(), seq_len=seq_len, device=ctx.probe_device))
     forked = start_server() is not False  # False: the server failed its CUDA self-test (older autotune: None)
-    ctx.log(f"plain Trainer: {request['mode']} {request.get('params') or ''} (deadline {timeout_s:.0f}s)")
+    ctx.log(f"plain Trainer: {request['mode']} (deadline {timeout_s:.0f}s)")
     with tempfile.TemporaryDirectory(prefix="autotune-acceptance-") as tmp:
         request_path, result_path, log_path = Path(tmp) / "request.json", Path(tmp) / "result.json", Path(tmp) / "log.txt"
         request_path.write_text(json.dumps(request), encoding="utf-8")
@@ -796,6 +970,8 @@ def _trainer_run(ctx: Context, model: ModelSpec, seq_len: int, request: dict[str
             exitcode, text = run_command(command, timeout_s=timeout_s, env=env)
             log_path.write_text(text, encoding="utf-8")
         wall_s = time.monotonic() - started
+        if log_path.exists():
+            shutil.copyfile(log_path, ctx.out / log_name)
         if result_path.exists():
             result = json.loads(result_path.read_text(encoding="utf-8"))
         else:
@@ -803,80 +979,9 @@ def _trainer_run(ctx: Context, model: ModelSpec, seq_len: int, request: dict[str
             status = "timeout" if wall_s >= timeout_s else "crash"
             result = {"status": status, "error": f"exit code {exitcode}: {_first_line(tail)}"}
     result["wall_s"] = wall_s
-    ctx.log(f"  -> {result}")
+    result["log"] = log_name
+    ctx.log(f"  -> {json.dumps(result)[:400]}")
     return result
-
-
-def _largest_batch(ctx: Context, evaluator: ProbeEvaluator, params: TrialParams, ceiling: int) -> tuple[int | None, float, int]:
-    """Lightning's ``binsearch`` batch finder over short probes: double from ``finder_start`` until a
-    probe does not fit, then halve the interval until it is one wide. (largest fitting batch, seconds, probes)."""
-    plan = ctx.plan
-    low, high, size = 0, None, plan.finder_start
-    spent, probes = 0.0, 0
-    for _ in range(plan.finder_max_trials):
-        result = ctx.probe(evaluator, params.replace(per_device_train_batch_size=size))
-        if result is None:
-            break
-        probes += 1
-        spent += result.wall_s or 0.0
-        if result.fits(ceiling):
-            low = size
-            if high is None:
-                if size >= plan.finder_max:
-                    break
-                size = min(size * 2, plan.finder_max)
-                continue
-        elif result.status in (ProbeStatus.OOM, ProbeStatus.OK):  # out of memory, or over the ceiling
-            high = size
-        else:
-            break  # a crash or a timeout says nothing about memory
-        if high is not None:
-            if high - low <= 1:
-                break
-            size = (low + high) // 2
-    return (low or None), spent, probes
-
-
-def _expert(
-    ctx: Context, model: ModelSpec, measure: Callable[[TrialParams], ProbeResult | None], ceiling: int, batch_sizes: Iterable[int],
-) -> dict[str, Any]:
-    from autotune.search.memory import MemoryModel, ModelDims
-
-    memory = MemoryModel(ModelDims.from_spec(model), ctx.plan.sbs_seq_len)
-    compile_mode = "inductor" if ctx.device.is_cuda or ctx.plan.pc_compile_on_cpu else "off"
-    params = TrialParams(precision=_precision_for(ctx.device), optim="adamw_torch_fused", attn_implementation="sdpa", torch_compile=compile_mode)
-    sizes = sorted(batch_sizes)
-    batch = memory.largest_batch_that_fits(params, sizes, ceiling) or sizes[0]
-    compiled = "compiled (inductor)" if compile_mode != "off" else "not compiled (quick mode on the CPU)"
-    method = f"expert: {params.precision}, sdpa, fused AdamW, {compiled}, largest batch"
-    spent = 0.0
-    for _ in range(3):  # step down a size if the predicted largest batch does not fit after all
-        candidate = params.replace(per_device_train_batch_size=batch)
-        result = measure(candidate)
-        if result is not None and result.status is ProbeStatus.OOM and batch > sizes[0]:
-            spent += result.wall_s or 0.0
-            batch = max(b for b in sizes if b < batch)
-            continue
-        return probe_row(candidate, result, method=method, time_to_find_s=spent)
-    return probe_row(params.replace(per_device_train_batch_size=batch), None, method=method)
-
-
-def _autotune_best(ctx: Context, run_data: dict[str, Any] | None, notes: list[str]) -> tuple[dict[str, Any] | None, float | None, str]:
-    from autotune.results import load_result
-
-    plan = ctx.plan
-    if run_data and run_data.get("study") and run_data.get("best_params"):
-        result = load_result(run_data["study"], run_data["storage"])
-        figures = _tune_figures(result, None)
-        if figures["best_params"]:
-            return figures["best_params"], figures["time_to_best_s"], f"run phase, {format_duration(run_data['budget_s'])} budget"
-    budget_s = min(plan.sbs_fallback_tune_s, ctx.remaining() / 3)
-    notes.append(f"No study from the run phase: autotune ran here for {budget_s:.0f}s.")
-    storage = study_storage(ctx.out, "side_by_side.db")
-    command = f"autotune run --model {plan.sbs_model} --seq-len {plan.sbs_seq_len} --budget {budget_s:.0f}s --storage {storage}"
-    result, _ = _tune(ctx, plan.sbs_model, plan.sbs_seq_len, budget_s, storage, command, study="side-by-side")
-    figures = _tune_figures(result, None)
-    return figures["best_params"], figures["time_to_best_s"], f"{budget_s:.0f}s run here"
 
 
 def _read_phase(out: Path, name: str) -> dict[str, Any] | None:

@@ -152,7 +152,7 @@ def test_landscape_grid_is_a_full_factorial_uncompiled_first() -> None:
 
 
 class _MemoryBound:
-    """Any configuration above ``limit`` samples runs out of memory."""
+    """An evaluator whose configurations above ``limit`` samples run out of memory (peak = batch bytes)."""
 
     def __init__(self, limit: int) -> None:
         self.limit, self.batches = limit, []
@@ -165,24 +165,66 @@ class _MemoryBound:
         return ProbeResult(status="ok", samples_per_s=float(batch), peak_mem_bytes=batch, wall_s=1.0, measured_steps=1)
 
 
+class _Study:
+    """A finished run's result with nothing measured: every side-by-side row is probed."""
+
+    def configurations(self) -> Any:
+        import pandas as pd
+
+        return pd.DataFrame(columns=["probe_trials"])
+
+
 def _context(tmp_path: Path) -> gpu_phases.Context:
     device = DeviceInfo(kind="cuda", name="Fake", total_memory_bytes=80 * 2**30, compute_capability=(9, 0))
     return gpu_phases.Context(name="side_by_side", out=tmp_path, device=device, plan=gpu_phases.FULL, box_s=600, slug="fake")
 
 
+def _table(tmp_path: Path, fake: _MemoryBound, ceiling: int, sizes: list[int] | None = None) -> gpu_phases.SideBySide:
+    return gpu_phases.SideBySide(_context(tmp_path), fake, ceiling, sizes or [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64], _Study())
+
+
 def test_largest_batch_doubles_until_oom_then_bisects(tmp_path: Path) -> None:
     fake = _MemoryBound(limit=37)
-    largest, spent, probes = gpu_phases._largest_batch(_context(tmp_path), fake, TrialParams(), ceiling=10**9)  # type: ignore[arg-type]
+    largest, spent, probes = gpu_phases._largest_batch(_context(tmp_path), _table(tmp_path, fake, 10**9), TrialParams(), ceiling=10**9)
     assert largest == 37
-    assert fake.batches[:6] == [2, 4, 8, 16, 32, 64]
+    assert fake.batches[:4] == [8, 16, 32, 64]  # from transformers' default batch
     assert probes == len(fake.batches) and spent == float(probes)
     assert 37 in fake.batches and 38 in fake.batches  # the boundary itself was measured on both sides
 
 
 def test_largest_batch_counts_over_the_ceiling_as_not_fitting(tmp_path: Path) -> None:
     fake = _MemoryBound(limit=10**6)  # never runs out of memory; the ceiling (peak = batch bytes) decides
-    largest, _, _ = gpu_phases._largest_batch(_context(tmp_path), fake, TrialParams(), ceiling=20)  # type: ignore[arg-type]
+    largest, _, _ = gpu_phases._largest_batch(_context(tmp_path), _table(tmp_path, fake, 20), TrialParams(), ceiling=20)
     assert largest == 20
+
+
+def test_largest_batch_reads_what_the_run_measured_instead_of_probing_it_again(tmp_path: Path) -> None:
+    fake = _MemoryBound(limit=12)
+    table = _table(tmp_path, fake, 10**9)
+    table.rows[TrialParams().key()] = {"status": "ok", "peak_mem_bytes": 8, "wall_s": 5.0}  # the run's baseline, bs 8
+    largest, spent, probes = gpu_phases._largest_batch(_context(tmp_path), table, TrialParams(), ceiling=10**9)
+    assert largest == 12 and 8 not in fake.batches
+    assert probes == len(fake.batches) and spent == float(probes)  # only the probes run here count
+
+
+def test_every_row_out_of_memory_steps_down_one_batch_size_of_the_space(tmp_path: Path) -> None:
+    fake = _MemoryBound(limit=30)
+    table = _table(tmp_path, fake, 10**9)
+    row = table.measured_row(TrialParams(per_device_train_batch_size=45), time_to_find_s=3.0)
+    assert fake.batches == [45, 40, 32, 24]  # 45 is no size of the space: the next smaller ones are
+    assert row["status"] == "ok" and row["per_device_train_batch_size"] == 24
+    assert row["stepped_down_from"] == [45, 40, 32] and row["time_to_find_s"] == 3.0
+    again = table.measured_row(TrialParams(per_device_train_batch_size=24))
+    assert again["samples_per_s"] == 24.0 and fake.batches == [45, 40, 32, 24]  # measured once, shared
+
+
+def test_a_side_by_side_box_too_small_for_its_run_is_refused_not_shortened(tmp_path: Path) -> None:
+    ctx = _context(tmp_path)
+    ctx.box_s = ctx.plan.sbs_run_budget_s + ctx.plan.sbs_rows_reserve_s - 1
+    record = gpu_phases.phase_side_by_side(ctx)
+    assert record.data["status"] == "refused"
+    assert f"--box side_by_side={ctx.plan.sbs_run_budget_s + ctx.plan.sbs_rows_reserve_s:.0f}" in record.data["reason"]
+    assert not (tmp_path / "side_by_side.db").exists()  # nothing ran
 
 
 def test_landscape_ceiling_puts_the_largest_batch_on_both_sides(tmp_path: Path) -> None:
