@@ -105,6 +105,11 @@ class ProbeSpec:
         return cls(**data)
 
 
+# A trial that waits for its batches more than this share of the measured window is input-bound:
+# a faster input pipeline (more dataloader workers) would make it faster.
+INPUT_BOUND_FRACTION = 0.2
+
+
 @dataclass(frozen=True)
 class ProbeResult:
     """What one probe measured. Throughput fields are None unless the status is ``ok``."""

@@ -31,9 +31,9 @@ phase                  box   what
 ``ceiling``            75    pythia-410m bf16 under a 16 GiB ceiling, batches from 1/2 to 2x the memory
                              model's largest: OOMs are ``oom``, no ``ok`` probe over the ceiling, the
                              memory model's error per probe
-``run``                320   ``autotune run --model polyglot-ko-1.3b --seq-len 512 --budget 5m`` (API), its
-                             study database and HTML report in the output folder. 5 minutes, not 10, so
-                             that the whole run fits in 25
+``run``                320   ``autotune run --model polyglot-ko-1.3b --seq-len 512`` (API) with the box's
+                             budget (less 20 s for the report; up to 9 minutes: ``--box run=560``), its
+                             study database and HTML report in the output folder
 ``side_by_side``       540   polyglot-ko-1.3b seq 512, in one call: ``autotune run --budget 200s`` (its
                              baseline is transformers' defaults, its expert-rule reference measured
                              right after), then with the run's own evaluator and ceiling a bf16 batch-16
@@ -43,23 +43,24 @@ phase                  box   what
                              batch size of the space down; the best re-timed by a plain ``Trainer``
                              with its exported ``TrainingArguments`` and none of autotune's code (target:
                              within 5%). A box too small for the whole run is ``refused``
-``landscape``          rest  pythia-160m seq 128: every combination of two values of each of the eight
-                             dimensions (256 configurations, compiled ones last) under a ceiling where
-                             the largest batch runs out of memory in about half the memory groups,
-                             saved as the replay table ``landscape_<device>.csv.gz``, then
-                             ``python -m bench.search TABLE:CEILING --seeds 5`` on it
+``landscape``          rest  polyglot-ko-1.3b seq 512 on the card's memory (the run's default ceiling):
+                             960 configurations (5 batch sizes x 2 accumulations x 2 precisions x 2
+                             optimizers x 3 compile modes x 2 attention kernels x 2 loader settings x
+                             checkpointing), the run's probe protocol, input waits and confidence
+                             intervals recorded, one row in 20 probed twice (the table's noise); the
+                             largest complete sub-grid saved as the replay table
+                             ``landscape_<device>[-narrowing].csv.gz``, then ``python -m bench.search
+                             TABLE:CEILING --seeds 5`` on it
 =====================  ====  =========================================================================
 
-The landscape gets what the other phases leave of the 25 minutes (about 4, at least 4). Its 128
-uncompiled probes take a few seconds each (4-7 s for pythia-410m on an H100, 2026-11-22); each of the
-128 compiled ones compiles (16 graphs cold, the rest from inductor's cache; one cold inductor compile
-of pythia-410m took ~60 s on that H100), most of 20 minutes more. So a 25-minute run usually ends with the
-uncompiled half probed, written as a replay table of its own (a full factorial with
-``torch_compile`` = off, replayable like any other), and the phase marked ``timeout``. ``--phase
-landscape --out DIR`` (a 9-minute box when run alone) goes on from the rows already probed
-(``landscape_rows.jsonl``): two or three of those write the whole 256-row table. A call that
-goes on first probes what completes a table with both compile modes, fixing the dimension that
-moved throughput least so far (``gpu_phases.table_first``: loader workers on the H100).
+The landscape takes about three hours of probes, so it is recorded over many calls: ``--phase
+landscape --box landscape=480 --out DIR`` goes on from the rows already probed
+(``landscape_rows.jsonl``), uncompiled configurations first (5-20 s a probe on an H100, out-of-memory
+ones 3-6 s), then inductor (a cold compilation of polyglot-ko-1.3b took ~85 s there, one per compiled
+graph), then max-autotune. A call that goes on first probes what completes a table, fixing the
+dimension that moved throughput least so far (``gpu_phases.table_first``). The grid of the tables
+recorded on 2026-11-22/23 (pythia-160m seq 128 under a 9 GiB ceiling) is ``gpu_phases.PYTHIA_160M_GRID``.
+``bench/README.md`` lists the calls of a GPU lease in priority order.
 
 A phase past its box stops where it is (each probe's deadline is inside the box) and records
 ``timeout`` with what it measured; one that overruns its box by the grace period (60 s) is

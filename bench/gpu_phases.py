@@ -44,6 +44,20 @@ CV_TARGET = 0.02
 OVERHEAD_TARGET_S = 2.0
 
 
+# The grid of the H100 tables recorded on 2026-11-22/23 (pythia-160m seq 128 under a 9 GiB ceiling, two values per
+# dimension): launch-bound and separating no strategy, kept to read those tables and as the tests' small grid.
+PYTHIA_160M_GRID: dict[str, tuple[Any, ...]] = {
+    "per_device_train_batch_size": (8, 64),
+    "gradient_accumulation_steps": (1, 2),
+    "precision": ("fp32", "bf16"),
+    "optim": ("adamw_torch_fused", "adafactor"),
+    "torch_compile": ("off", "inductor"),
+    "attn_implementation": ("eager", "sdpa"),
+    "dataloader_num_workers": (0, 2),
+    "gradient_checkpointing": (False, True),
+}
+
+
 @dataclass(frozen=True)
 class Plan:
     """What every phase runs: the full GPU plan, or :data:`QUICK` (tiny model, seconds per phase)."""
@@ -92,6 +106,8 @@ class Plan:
     land_model: str
     land_seq_len: int
     land_grid: dict[str, tuple[Any, ...]]
+    land_card_ceiling: bool  # True: the run's own ceiling on the card's memory; False: one between the largest batches' peaks
+    land_repeat_every: int  # after this many new rows, one measured row probed again (the table's own noise)
     land_reserve_s: float  # kept for bench.search at the end of the landscape's box
     bench_seeds: int
     bench_budget_fraction: float  # bench.search's virtual budget: this share of the table's total probe time
@@ -112,21 +128,26 @@ FULL = Plan(
     repeat_model="polyglot-ko-1.3b", repeat_seq_len=512, repeat_batch=16, repeat_runs=5,
     pc_model="pythia-410m", pc_seq_len=512, pc_batch=8, pc_compile_on_cpu=True,
     ceiling_model="pythia-410m", ceiling_seq_len=512, ceiling_bytes=16 * GiB, ceiling_factors=(0.5, 0.75, 1.0, 1.25, 1.5, 2.0),
-    run_model="polyglot-ko-1.3b", run_seq_len=512, run_budget_s=300, run_space="default", run_report_reserve_s=20,
+    run_model="polyglot-ko-1.3b", run_seq_len=512, run_budget_s=540, run_space="default", run_report_reserve_s=20,  # the box (320 s in a whole run) clamps it
     sbs_model="polyglot-ko-1.3b", sbs_seq_len=512, auto_find_start=64, auto_find_steps=3,
     finder_start=8, finder_max=1024, finder_max_trials=25, sbs_run_budget_s=200, sbs_rows_reserve_s=300, bf16_user_batch=16,
     timed_measure_steps=20,
-    land_model="pythia-160m", land_seq_len=128,
+    # polyglot-ko-1.3b at seq 512 on the card's memory: 960 configurations, about 3 hours of probes, so it is
+    # recorded over many 8-minute calls (--phase landscape --box landscape=480 --out DIR goes on where the rows
+    # stop). Uncompiled first (5-20 s a probe, out-of-memory rows 3-6 s), then inductor (~85 s a cold
+    # compilation, one per graph), then max-autotune; each complete sub-grid is written as a table on the way.
+    land_model="polyglot-ko-1.3b", land_seq_len=512,
     land_grid={
-        "per_device_train_batch_size": (8, 64),
-        "gradient_accumulation_steps": (1, 2),
+        "per_device_train_batch_size": (8, 16, 32, 48, 64),
+        "gradient_accumulation_steps": (1, 4),
         "precision": ("fp32", "bf16"),
         "optim": ("adamw_torch_fused", "adafactor"),
-        "torch_compile": ("off", "inductor"),
+        "torch_compile": ("off", "inductor", "inductor:max-autotune"),
         "attn_implementation": ("eager", "sdpa"),
         "dataloader_num_workers": (0, 2),
         "gradient_checkpointing": (False, True),
     },
+    land_card_ceiling=True, land_repeat_every=20,
     land_reserve_s=60, bench_seeds=5, bench_budget_fraction=1 / 3,
 )
 
@@ -146,7 +167,7 @@ QUICK = replace(
     sbs_model="tiny-gptneox", sbs_seq_len=32, auto_find_start=16, auto_find_steps=2,
     finder_start=2, finder_max=8, finder_max_trials=4, sbs_run_budget_s=30, sbs_rows_reserve_s=30, bf16_user_batch=4,
     timed_measure_steps=4,
-    land_model="tiny-gptneox", land_seq_len=32,
+    land_model="tiny-gptneox", land_seq_len=32, land_card_ceiling=False, land_repeat_every=3,
     land_grid={
         "per_device_train_batch_size": (2, 8),
         "gradient_accumulation_steps": (1,),
@@ -271,6 +292,7 @@ def probe_row(params: TrialParams, result: ProbeResult | None, **extra: Any) -> 
         wall_s=result.wall_s, overhead_s=result.overhead_s, model_build_s=result.model_build_s, warmup_s=result.warmup_s,
         matmul_precision=getattr(result, "matmul_precision", None),  # a newer ProbeResult field; absent before it
         compiled_graphs_measured=result.extra.get("compiled_graphs_measured"),
+        input_wait_fraction=result.input_wait_fraction,
         error=None if result.ok else _first_line(result.error, 300),
     )
     return row
@@ -576,8 +598,8 @@ def phase_run(ctx: Context) -> PhaseOutput:
         f"transformers defaults, first measured after {fmt(data['time_to_best_s'], 's')}. Study: `{data['database']}` "
         f"(study `{result.study_name}`), report: `{data['report']}`"
     )
-    if plan.run_budget_s < 600 and not plan.quick:
-        headline += f". The budget is {plan.run_budget_s / 60:.0f} minutes, not 10, so that the whole acceptance run fits in 25 minutes"
+    if budget_s < 600 and not plan.quick:
+        headline += f". The budget is {format_duration(budget_s)}, not 10 minutes: what the phase's box left (one call runs 10 minutes at most)"
     if data["best_config"] is None:
         return output("flagged", "nothing fit under the ceiling", data, f"{headline}.\n\n{table}")
     if data["report"] is None:
@@ -1077,7 +1099,7 @@ def write_landscape_table(rows: dict[tuple[Any, ...], dict[str, Any]], grid: dic
     space; None while no sub-grid is complete."""
     import pandas as pd
 
-    from autotune.search.replay import load_table
+    from autotune.search.replay import OPTIONAL_MEASUREMENT_COLUMNS, load_table
 
     sub = complete_subgrid(grid, set(rows))
     if sub is None:
@@ -1085,6 +1107,7 @@ def write_landscape_table(rows: dict[tuple[Any, ...], dict[str, Any]], grid: dic
     keys = {c.key() for c in landscape_grid(sub)}
     frame = pd.DataFrame([rows[k] for k in rows if k in keys])
     columns = [*PARAM_NAMES, "status", "samples_per_s", "peak_mem_bytes", "probe_s", "tokens_per_s", "mfu", "error"]
+    columns += [c for c in OPTIONAL_MEASUREMENT_COLUMNS if c in frame.columns]  # replayed as a live search sees them
     path = folder / f"landscape_{slug}{narrowing(grid, sub)}.csv.gz"
     frame[columns].to_csv(path, index=False)
     table = load_table(path)
@@ -1098,6 +1121,10 @@ def _landscape_ceiling(ctx: Context, model: ModelSpec) -> int | None:
 
     if not ctx.device.is_cuda:
         return None  # a simulated ceiling on the CPU compares process RSS: everything would be "oom"
+    if ctx.plan.land_card_ceiling:
+        from autotune.api import CEILING_SAFETY_FRACTION
+
+        return int(CEILING_SAFETY_FRACTION * ctx.device.total_memory_bytes)  # what `autotune run` uses by default
     grid = ctx.plan.land_grid
     memory = MemoryModel(ModelDims.from_spec(model), ctx.plan.land_seq_len)
     largest = max(grid["per_device_train_batch_size"])
@@ -1119,33 +1146,40 @@ def phase_landscape(ctx: Context) -> PhaseOutput:
     if rows_path.exists():  # resume: a previous run's rows of the same landscape are kept
         for line in rows_path.read_text(encoding="utf-8").splitlines():
             row = json.loads(line)
-            if all(row.get(k) == v for k, v in identity.items()):
+            if all(row.get(k) == v for k, v in identity.items()) and not row.get("repeat_of_row"):
                 done[TrialParams.from_dict(row).key()] = row
     resumed = len(done)
-    evaluator = ctx.evaluator(model, plan.land_seq_len, short=True, ceiling=ceiling)
-    # Short probes, but measured over two steps: a replay row needs a speed, not just fit/no-fit.
-    evaluator = replace(evaluator, measure_steps=2, max_measure_steps=2)
+    # The run's probe protocol (warm-up, then measured until stable or the time cap): a replay row carries the
+    # speed, its confidence interval and the loader's wait as a live search sees them.
+    evaluator = ctx.evaluator(model, plan.land_seq_len, ceiling=ceiling)
+    repeats = [r for r in _read_rows(rows_path, identity) if r.get("repeat_of_row")]
     ctx.log(f"{len(configs)} configurations, {resumed} already probed, ceiling {format_bytes(ceiling)}")
+    new_rows = 0
     with rows_path.open("a", encoding="utf-8") as sink:
         for params in table_first(grid, configs, done):
-            cut_by_box = ctx.remaining() - plan.land_reserve_s < plan.probe_cap_s
-            result = ctx.probe(evaluator, params, reserve_s=plan.land_reserve_s)
-            if result is None or (cut_by_box and str(result.status) == "timeout"):
+            row = _landscape_probe(ctx, evaluator, params, identity)
+            if row is None:
                 break  # a probe the box's end cut short is no row of the landscape: the next call probes it again
-            row = {**identity, **params.to_dict(), "status": str(result.status), "samples_per_s": result.samples_per_s,
-                   "tokens_per_s": result.tokens_per_s, "peak_mem_bytes": result.peak_mem_bytes, "probe_s": result.wall_s,
-                   "mfu": result.mfu, "error": None if result.ok else _first_line(result.error, 200)}
             done[params.key()] = row
             sink.write(json.dumps(row) + "\n")
             sink.flush()
             ctx.partial["probed"] = len(done)
+            new_rows += 1
+            if new_rows % plan.land_repeat_every == 0 and (again := _next_repeat(done, repeats)) is not None:
+                repeat = _landscape_probe(ctx, evaluator, TrialParams.from_dict(again), identity)
+                if repeat is None:
+                    break
+                repeat["repeat_of_row"] = True
+                repeats.append(repeat)
+                sink.write(json.dumps(repeat) + "\n")
+                sink.flush()
     statuses: dict[str, int] = {}
     for row in done.values():
         statuses[row["status"]] = statuses.get(row["status"], 0) + 1
     written = write_landscape_table(done, grid, ctx.out, ctx.slug)
     data: dict[str, Any] = {
         **identity, "grid": {k: list(v) for k, v in grid.items()}, "configurations": len(configs), "probed": len(done),
-        "resumed": resumed, "statuses": statuses, "table": None, "table_rows": 0,
+        "resumed": resumed, "statuses": statuses, "table": None, "table_rows": 0, "noise": landscape_noise(done, repeats),
     }
     sub = None
     search: dict[str, Any] = {"status": "not run", "error": "no complete table"}
@@ -1160,6 +1194,46 @@ def phase_landscape(ctx: Context) -> PhaseOutput:
     if search.get("status") != "ok":
         return output("flagged", f"bench.search: {search.get('error')}", data, markdown)
     return output("ok", f"{len(done)} configurations ({', '.join(f'{k} {v}' for k, v in sorted(statuses.items()))})", data, markdown)
+
+
+def _read_rows(path: Path, identity: dict[str, Any]) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [r for r in rows if all(r.get(k) == v for k, v in identity.items())]
+
+
+def _landscape_probe(ctx: Context, evaluator: ProbeEvaluator, params: TrialParams, identity: dict[str, Any]) -> dict[str, Any] | None:
+    """One landscape row, or None where the box's end cut the probe short (or left no time to start it)."""
+    plan = ctx.plan
+    cut_by_box = ctx.remaining() - plan.land_reserve_s < plan.probe_cap_s
+    result = ctx.probe(evaluator, params, reserve_s=plan.land_reserve_s)
+    if result is None or (cut_by_box and str(result.status) == "timeout"):
+        return None
+    return {**identity, **params.to_dict(), "status": str(result.status), "samples_per_s": result.samples_per_s,
+            "tokens_per_s": result.tokens_per_s, "peak_mem_bytes": result.peak_mem_bytes, "probe_s": result.wall_s,
+            "mfu": result.mfu, "input_wait_fraction": result.input_wait_fraction, "step_time_ci95_rel": result.step_time_ci95_rel,
+            "measured_steps": result.measured_steps, "error": None if result.ok else _first_line(result.error, 200)}
+
+
+def _next_repeat(done: dict[tuple[Any, ...], dict[str, Any]], repeats: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The earliest measured (ok) row not probed again yet."""
+    again = {TrialParams.from_dict(r).key() for r in repeats}
+    return next((row for key, row in done.items() if row["status"] == "ok" and key not in again), None)
+
+
+def landscape_noise(done: dict[tuple[Any, ...], dict[str, Any]], repeats: list[dict[str, Any]]) -> dict[str, Any]:
+    """How far a second probe of a row lands from the first: the table's own noise, in relative terms."""
+    ratios = []
+    for repeat in repeats:
+        first = done.get(TrialParams.from_dict(repeat).key())
+        if first and first.get("samples_per_s") and repeat.get("samples_per_s"):
+            ratios.append(repeat["samples_per_s"] / first["samples_per_s"])
+    if not ratios:
+        return {"repeats": len(repeats), "pairs": 0}
+    deviations = sorted(abs(r - 1) for r in ratios)
+    return {"repeats": len(repeats), "pairs": len(ratios), "median_abs_rel_diff": statistics.median(deviations),
+            "max_abs_rel_diff": deviations[-1], "ratios": [round(r, 4) for r in ratios]}
 
 
 def _bench_search(ctx: Context, table: Path, ceiling: int | None) -> dict[str, Any]:
@@ -1190,6 +1264,10 @@ def _landscape_markdown(ctx: Context, data: dict[str, Any], search: dict[str, An
         f"{data['probed']} of {data['configurations']} configurations probed ({data['resumed']} from an earlier run); outcomes: {statuses or 'none'}.",
         f"Grid: {grid}.",
     ]
+    noise = data.get("noise") or {}
+    if noise.get("pairs"):
+        lines.append(f"Noise: {noise['pairs']} rows probed twice (one after every {ctx.plan.land_repeat_every} new rows): the second "
+                     f"probe's samples/s {100 * noise['median_abs_rel_diff']:.1f} % from the first (median), {100 * noise['max_abs_rel_diff']:.1f} % at most.")
     if sub is None:
         lines.append("No complete full factorial yet, so no replay table: run `--phase landscape` again to go on.")
     else:

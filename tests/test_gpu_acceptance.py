@@ -123,8 +123,19 @@ def test_missing_module_without_a_wheelhouse_says_how_to_get_one(tmp_path: Path)
         gpu_acceptance.ensure_dependencies({"autotune_no_such_module": "nope"}, wheelhouse=tmp_path / "empty", target=tmp_path / "site")
 
 
+def test_the_landscape_plan_is_polyglot_at_seq_512_on_the_cards_memory_with_every_dimension_that_moves_speed() -> None:
+    plan = gpu_phases.FULL
+    configs = gpu_phases.landscape_grid(plan.land_grid)
+    assert plan.land_model == "polyglot-ko-1.3b" and plan.land_seq_len >= 512 and plan.land_card_ceiling
+    assert len(configs) == len({c.key() for c in configs}) == 960 >= 500
+    assert set(plan.land_grid["torch_compile"]) == {"off", "inductor", "inductor:max-autotune"}
+    assert all(len(values) >= 2 for values in plan.land_grid.values())
+    modes = [c.torch_compile for c in configs]  # uncompiled, then inductor, then max-autotune
+    assert modes == sorted(modes, key=plan.land_grid["torch_compile"].index) and modes.count("off") == 320
+
+
 def test_landscape_grid_is_a_full_factorial_uncompiled_first() -> None:
-    grid = gpu_phases.FULL.land_grid
+    grid = gpu_phases.PYTHIA_160M_GRID
     configs = gpu_phases.landscape_grid(grid)
     assert len(configs) == len({c.key() for c in configs}) == 256 >= 200
     assert all(len(values) >= 2 for values in grid.values())  # every dimension varies
@@ -228,10 +239,15 @@ def test_a_side_by_side_box_too_small_for_its_run_is_refused_not_shortened(tmp_p
 
 
 def test_landscape_ceiling_puts_the_largest_batch_on_both_sides(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from autotune.api import CEILING_SAFETY_FRACTION
     from autotune.models import resolve_model
     from autotune.search.memory import MemoryModel, ModelDims
 
     ctx = _context(tmp_path)
+    assert gpu_phases._landscape_ceiling(ctx, resolve_model(ctx.plan.land_model)) == int(CEILING_SAFETY_FRACTION * 80 * 2**30)  # the card's
+    ctx.plan = replace(ctx.plan, land_model="pythia-160m", land_seq_len=128, land_grid=gpu_phases.PYTHIA_160M_GRID, land_card_ceiling=False)
     model = resolve_model(ctx.plan.land_model)
     ceiling = gpu_phases._landscape_ceiling(ctx, model)
     assert ceiling is not None and ceiling % (2**30 // 2) == 0
@@ -295,7 +311,10 @@ def test_landscape_cut_short_writes_the_complete_half_and_goes_on_later(tmp_path
     first = gpu_phases.phase_landscape(ctx)
     assert first.data["status"] == "timeout" and first.data["probed"] == 4 and first.data["table_rows"] == 4
     rows = [json.loads(line) for line in (tmp_path / "landscape_rows.jsonl").read_text().splitlines()]
-    assert [row["status"] for row in rows].count("timeout") == 0 and len(rows) == 4  # the cut probe is no row
+    repeats = [row for row in rows if row.get("repeat_of_row")]
+    assert [row["status"] for row in rows].count("timeout") == 0 and len(rows) - len(repeats) == 4  # the cut probe is no row
+    assert len(repeats) == 1 and first.data["noise"]["pairs"] == 1  # one row probed again after every 3 new ones
+    assert first.data["noise"]["median_abs_rel_diff"] == 0.0  # the fake probe repeats exactly
     table = load_table(tmp_path / first.data["table"])
     assert set(table.frame["torch_compile"]) == {"off"} and (table.frame["status"] == "oom").sum() == 1
     assert first.data["bench_search"]["status"] == "ok"
@@ -304,7 +323,8 @@ def test_landscape_cut_short_writes_the_complete_half_and_goes_on_later(tmp_path
     probed.clear()
     again = gpu_phases.phase_landscape(ctx)
     assert again.data["status"] == "ok" and again.data["resumed"] == 4 and again.data["table_rows"] == 8
-    assert {p.torch_compile for p in probed} == {"inductor"} and len(probed) == 4
+    compiled = [p for p in probed if p.torch_compile != "off"]
+    assert len(compiled) == 4 and len(probed) - len(compiled) == again.data["noise"]["repeats"] - 1  # and one more repeat
 
 
 def test_bitsandbytes_is_unpacked_with_only_the_cpu_and_one_cuda_major(tmp_path: Path) -> None:
@@ -333,7 +353,7 @@ def _landscape_rows(configs: list, speed: Callable[[Any], float]) -> dict:
 
 
 def test_table_first_completes_the_table_that_fixes_the_dimension_that_mattered_least() -> None:
-    grid = gpu_phases.FULL.land_grid
+    grid = gpu_phases.PYTHIA_160M_GRID
     configs = gpu_phases.landscape_grid(grid)
     first_compiled = 128
     # Measured so far: the uncompiled half and the compiled half without checkpointing. Loader workers

@@ -197,3 +197,36 @@ def test_worker_only_columns_without_workers_read_as_their_defaults(tmp_path) ->
     no_workers = frame.index[frame["dataloader_num_workers"] == 0][0]
     both = pd.concat([frame.assign(dataloader_prefetch_factor=4), frame.iloc[[no_workers]]], ignore_index=True)
     assert "are the same configuration" in _error(_write(tmp_path, both))
+
+
+def test_a_table_with_input_waits_and_confidence_intervals_replays_them_as_a_probe_reports_them(tmp_path) -> None:
+    frame = pd.read_csv(TINY)
+    frame["input_wait_fraction"] = pd.Series([None] * len(frame), dtype=object)
+    frame["step_time_ci95_rel"] = 0.015
+    ok = frame.index[frame["status"] == "ok"]
+    frame.loc[ok[0], "input_wait_fraction"] = 0.35
+    frame.loc[ok[1], "input_wait_fraction"] = 0.05
+    table = load_table(_write(tmp_path, frame))
+    evaluator = ReplayEvaluator(table, VirtualClock())
+
+    def replayed(position: int):
+        row = frame.loc[position]
+        params = TrialParams.from_dict({k: (v.item() if hasattr(v, "item") else v) for k, v in row.items() if k in TrialParams.__dataclass_fields__})
+        return evaluator.evaluate(params, timeout_s=10_000)
+
+    waiting, feeding = replayed(ok[0]), replayed(ok[1])
+    assert waiting.input_wait_fraction == 0.35 and waiting.input_bound  # past the probe's 20 % rule
+    assert feeding.input_wait_fraction == 0.05 and not feeding.input_bound
+    assert waiting.step_time_ci95_rel == 0.015
+    assert replayed(ok[2]).input_wait_fraction is None  # an empty cell: not measured
+    without = load_table(TINY)  # a table without the columns: nothing is made up
+    plain = ReplayEvaluator(without, VirtualClock()).evaluate(TrialParams.from_dict(
+        {k: (v.item() if hasattr(v, "item") else v) for k, v in frame.loc[ok[0]].items() if k in TrialParams.__dataclass_fields__}), timeout_s=10_000)
+    assert plain.input_wait_fraction is None and plain.step_time_ci95_rel is None and not plain.input_bound
+
+
+def test_bad_input_wait_values_name_line_and_column(tmp_path) -> None:
+    frame = pd.read_csv(TINY).assign(input_wait_fraction=1.5)
+    assert "line 2, column input_wait_fraction: 1.5 is not empty or a fraction in [0, 1]" in _error(_write(tmp_path, frame))
+    frame = pd.read_csv(TINY).assign(step_time_ci95_rel="wide")
+    assert "line 2, column step_time_ci95_rel: 'wide' is not empty or a non-negative number" in _error(_write(tmp_path, frame))

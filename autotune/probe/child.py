@@ -41,12 +41,9 @@ from typing import Any
 from autotune.params import fp32_matmul_setting, mixed_precision_dtype
 from autotune.probe.flops import achieved_tflops, mfu, model_flops_per_token
 from autotune.probe.steady import StopRule, ci95_rel
-from autotune.records import ProbeResult, ProbeSpec, ProbeStatus
+from autotune.records import INPUT_BOUND_FRACTION, ProbeResult, ProbeSpec, ProbeStatus
 
 _ERROR_TAIL_CHARS = 2000
-# A trial that waits for its batches more than this share of the measured window is input-bound:
-# a faster input pipeline (more dataloader workers) would make it faster.
-INPUT_BOUND_FRACTION = 0.2
 # Device memory the process still takes outside the caching allocator after its baseline is measured:
 # kernels loaded on first use (CUDA lazy loading, the default since CUDA 12.2: CUDA C++ Programming
 # Guide, "Lazy Loading"), cuBLASLt/cuDNN handles and the workspaces cuBLAS takes with cudaMallocAsync

@@ -40,12 +40,15 @@ from autotune.params import (
     WORKER_ONLY_PARAMS,
     TrialParams,
 )
-from autotune.records import ProbeResult, ProbeStatus
+from autotune.records import INPUT_BOUND_FRACTION, ProbeResult, ProbeStatus
 from autotune.search.loop import SearchSettings, VirtualClock, ranked_configurations, run_search
 from autotune.search.strategies.registry import DEFAULT_STRATEGY, make_strategy
 from autotune.space import SearchSpace
 
 MEASUREMENT_COLUMNS = ("status", "samples_per_s", "peak_mem_bytes", "probe_s")
+# What a live probe also reports, replayed where a table records it (a search reads both: the loader's wait
+# says when workers matter, the confidence interval how far to trust a figure). Absent: unknown, as before.
+OPTIONAL_MEASUREMENT_COLUMNS = ("input_wait_fraction", "step_time_ci95_rel")
 REQUIRED_COLUMNS = (*(n for n in PARAM_NAMES if n not in KNOBS_ADDED_LATER), *MEASUREMENT_COLUMNS)
 _INT_PARAMS = ("per_device_train_batch_size", "gradient_accumulation_steps", "dataloader_num_workers")
 _STR_PARAMS = ("precision", "optim", "torch_compile", "attn_implementation")
@@ -176,6 +179,10 @@ def _is_none(value: Any) -> bool:
     return value is None or (isinstance(value, float) and math.isnan(value)) or str(value).strip().lower() in _NONE_TEXT
 
 
+def _optional_float(value: Any) -> float | None:
+    return None if _is_none(value) else float(value)
+
+
 def _optional_int(value: Any) -> int | None:
     return None if _is_none(value) else int(float(value))
 
@@ -221,6 +228,17 @@ def _check_rows(frame: pd.DataFrame, path: Path) -> None:
             i = int(bad.to_numpy().nonzero()[0][0])
             fail(i, column, f"{frame[column].iloc[i]!r} is not a non-negative number")
         frame[column] = values
+    for column in OPTIONAL_MEASUREMENT_COLUMNS:
+        if column not in frame.columns:
+            continue
+        values = pd.to_numeric(frame[column], errors="coerce")
+        bad = frame[column].notna() & (values.isna() | (values < 0) | ((values > 1) if column == "input_wait_fraction" else False))
+        if bad.any():
+            i = int(bad.to_numpy().nonzero()[0][0])
+            limits = "a fraction in [0, 1]" if column == "input_wait_fraction" else "a non-negative number"
+            raw = frame[column].iloc[i]
+            fail(i, column, f"{raw.item() if hasattr(raw, 'item') else raw!r} is not empty or {limits}")
+        frame[column] = values
     ok = frame["status"] == ProbeStatus.OK.value
     for column in ("samples_per_s", "peak_mem_bytes"):
         bad = ok & frame[column].isna()
@@ -263,13 +281,17 @@ class ReplayEvaluator:
             return ProbeResult(status=status, error=f"replayed {status}", wall_s=probe_s)
         samples_per_s = float(row["samples_per_s"])
         peak = row["peak_mem_bytes"]
+        wait, ci = (_optional_float(row.get(c)) for c in OPTIONAL_MEASUREMENT_COLUMNS)
         return ProbeResult(
             status=ProbeStatus.OK,
             samples_per_s=samples_per_s,
             step_time_s=params.effective_batch_size / samples_per_s if samples_per_s else None,
-            peak_mem_bytes=None if peak is None or (isinstance(peak, float) and math.isnan(peak)) else int(peak),
+            peak_mem_bytes=None if _is_none(peak) else int(peak),
             wall_s=probe_s,
             measured_steps=1,
+            input_wait_fraction=wait,
+            input_bound=bool(wait is not None and wait > INPUT_BOUND_FRACTION),
+            step_time_ci95_rel=ci,
         )
 
 
