@@ -340,7 +340,8 @@ def last_stop(settings: dict[str, Any]) -> str | None:
 HEARTBEAT_INTERVAL_S = 10.0  # a probing worker refreshes its trial's heartbeat this often
 HEARTBEAT_GRACE_S = 60.0  # a RUNNING trial with no heartbeat for this long has lost its worker
 CLAIM_SETTLE_S = 2.0  # the longest a claim waits for an older trial that is still being given its configuration
-_KILLED_PREFIXES = ("probe process killed by SIGKILL", "probe process killed by SIGTERM")  # autotune.probe.isolation
+_KILLED_PREFIXES = ("probe process killed by SIGKILL", "probe process killed by SIGTERM",  # autotune.probe.isolation
+                    "probe process lost with its probe server")
 
 
 def read_trials(study: optuna.Study) -> list[FrozenTrial]:
@@ -749,6 +750,14 @@ def fail_interrupted(study: optuna.Study, trial: optuna.Trial) -> None:
         study.tell(trial, state=TrialState.FAIL)
     except (RuntimeError, ValueError):  # already told: the interrupt came after its outcome was stored
         pass
+
+
+def release_unstarted(study: optuna.Study, trial: optuna.Trial, reason: str) -> None:
+    """Fail a claimed trial that is not started after all (it could not finish in the time left); not reusable,
+    so a later run with more time asks it again."""
+    trial.set_user_attr(ATTR_REASON, reason)
+    trial.set_user_attr(ATTR_REUSABLE, False)
+    study.tell(trial, state=TrialState.FAIL)
 
 
 def fail_dead_trials(

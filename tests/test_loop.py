@@ -525,6 +525,31 @@ def test_an_expert_out_of_memory_is_followed_by_a_smaller_batch(fake_gpu) -> Non
     assert expert_fallback(frugal_space, small, {small.key(): oom}, None, 40 * GiB) == small.replace(gradient_checkpointing=True, optim="adafactor")
 
 
+def test_an_expert_fallback_that_cannot_finish_in_the_time_left_is_not_started(fake_gpu) -> None:
+    """As on an H100 (2026-11-27): the compiled expert ran out of memory after its compilation, and its compiled
+    fallback, started with less time left than a compilation takes, was killed at the budget's end."""
+
+    class CompileCosts(FakeEvaluator):
+        def evaluate(self, params: TrialParams, *, timeout_s: float) -> ProbeResult:
+            self.probe_s = 80.0 if params.torch_compile != "off" else 10.0
+            return super().evaluate(params, timeout_s=timeout_s)
+
+    space = _space(torch_compile=["off", "inductor"]).restrict(fake_gpu)
+    expert = TrialParams(per_device_train_batch_size=64, precision="bf16", torch_compile="inductor")
+    from autotune.search.strategies.registry import make_strategy
+
+    fake = CompileCosts(oom_above_bytes=30 * GiB)
+    settings = SearchSettings(memory_ceiling_bytes=40 * GiB, budget_s=160.0, min_probe_s=5.0)
+    run_search(_study(), space, fake, settings, baseline=baseline_params(), expert=expert, clock=fake.clock, strategy=make_strategy("bayes"))
+    assert fake.calls[:2] == [TrialParams(), expert]  # baseline 10 s, expert 80 s: out of memory, 70 s left
+    assert all(p.torch_compile == "off" for p in fake.calls[2:]) and len(fake.calls) > 2  # uncompiled probes use the rest
+    # With the time for it, the compiled fallback runs next.
+    fake = CompileCosts(oom_above_bytes=30 * GiB)
+    run_search(_study(name="t2"), space, fake, SearchSettings(memory_ceiling_bytes=40 * GiB, budget_s=400.0, min_probe_s=5.0),
+               baseline=baseline_params(), expert=expert, clock=fake.clock, strategy=make_strategy("bayes"))
+    assert fake.calls[2].torch_compile == "inductor" and fake.calls[2].per_device_train_batch_size < 64
+
+
 def test_on_a_cpu_the_expert_keeps_the_baselines_precision(fake_gpu) -> None:
     from autotune.search.expert import expert_params
 

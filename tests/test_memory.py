@@ -306,3 +306,40 @@ def test_checkpointed_peaks_do_not_take_the_activations_bytes_away(peaks_gib, ce
     assert memory.predict(large) > ceiling_gib * GiB * 1.05
     assert memory.prune_reason(large, int(ceiling_gib * GiB)) is not None
     assert memory.predict(large) < 1.5 * true_gib * GiB
+
+
+def test_after_an_out_of_memory_probe_the_batch_steps_down_by_how_far_the_prediction_was_off() -> None:
+    # As on an H100 (polyglot-ko-1.3b bf16 compiled, 2026-11-27): the fp32 baseline measured, the expert's
+    # batch 56 predicted under the 75.67 GiB ceiling ran out of memory. The batch to try next steps down by
+    # the factor the prediction was at least low by (56 -> 40 here), not to half (24: its compilation
+    # outran the budget, where 48 fits).
+    from autotune.models import resolve_model
+    from autotune.space import load_space
+
+    memory = MemoryModel(ModelDims.from_spec(resolve_model("polyglot-ko-1.3b")), 512)
+    ceiling = 81_244_769_484
+    memory.observe(TrialParams(), _ok(32_238_272_512))
+    expert = TrialParams(per_device_train_batch_size=56, precision="bf16", attn_implementation="sdpa", torch_compile="inductor")
+    sizes = [b for b in load_space("default").choices["per_device_train_batch_size"] if b < 56]
+    predicted = memory.predict(expert)
+    assert predicted is not None and predicted < ceiling
+    memory.observe(expert, _oom())
+    static = predicted - 56 * (memory.predict(expert.replace(per_device_train_batch_size=57)) - predicted)
+    expected = int(56 * (predicted - static) / (ceiling - static))
+    largest = memory.largest_batch_that_fits(expert, sizes, ceiling)
+    assert largest == max(b for b in sizes if b <= expected) and 56 // 2 < largest < 56
+
+
+def test_after_an_out_of_memory_probe_the_model_already_predicted_the_batch_steps_down_one() -> None:
+    memory = MemoryModel(DIMS, 128)
+    params = TrialParams(per_device_train_batch_size=64)
+    ceiling = memory.predict(params) - 1  # predicted over the ceiling, run anyway: out of memory
+    memory.observe(params, _oom())
+    assert memory.largest_batch_that_fits(params, [8, 16, 32, 48, 56], ceiling) == 56
+
+
+def test_after_an_out_of_memory_probe_with_nothing_known_the_batch_halves() -> None:
+    memory = MemoryModel()  # no model dims, nothing measured: no prediction to correct
+    params = TrialParams(per_device_train_batch_size=64)
+    memory.observe(params, _oom())
+    assert memory._limit_after_oom(params, 64, 40 * GiB) == 32

@@ -1156,6 +1156,15 @@ class BayesStrategy(Strategy):
         windows, steps = [], []
         for probe in history:
             r = probe.result
+            if probe.params.torch_compile != "off" and not r.ok and r.status is not ProbeStatus.TIMEOUT and r.wall_s:
+                # Failed after its compilation (out of memory or a crash in a step): what it ran past
+                # start-up is its compilation and a step or two, the best estimate there is until one
+                # runs (on an H100 a compiled polyglot-ko-1.3b probe ran out of memory after 92 s).
+                graph = tuple(getattr(probe.params, d) for d in graph_dims)
+                if graph not in compiled and r.wall_s > (r.setup_s or startup):
+                    cold_s.setdefault(probe.params.torch_compile, []).append(r.wall_s - (r.setup_s or startup))
+                    compiled.add(graph)
+                continue
             if not (r.ok and r.wall_s and r.step_time_s):
                 continue
             warmup = r.warmup_s if r.warmup_s is not None else WARMUP_STEPS * r.step_time_s
