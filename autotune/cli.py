@@ -172,15 +172,13 @@ def recorded_command(argv: Sequence[str]) -> str:
 def cmd_run(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from rich.console import Console
-
     from autotune.api import RunOptions, plan_run, run_plan
-    from autotune.console import LiveProgress, print_header, print_summary
+    from autotune.console import LiveProgress, PipeConsole, print_header, print_summary
     from autotune.results import no_result_error
 
-    console = Console(highlight=False)
+    console = PipeConsole(highlight=False)
     if not console.is_terminal:  # logs and CI: wide enough for the ranked table
-        console = Console(highlight=False, width=180)
+        console = PipeConsole(highlight=False, width=180)
     options = RunOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(RunOptions)})
     plan = plan_run(options)
     command = recorded_command(sys.argv[1:]) if sys.argv[1:2] == ["run"] else None
@@ -191,6 +189,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             done = run_plan(plan, on_open=lambda p, resumed: print_header(console, p, resumed), on_start=live.on_start,
                             on_trial=live.on_trial, report_dir=args.report_dir, command=command, best_json=args.output)
     except KeyboardInterrupt:  # outside a probe (inside one the loop stops cleanly): best.json and the report are written
+        if console.reader_gone:
+            return EXIT_BROKEN_PIPE
         console.print(f"interrupted; report: {Path(args.report_dir) / (plan.study_name + '.html')}")
         raise
     result = done.result
@@ -205,8 +205,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         console.print(f"report: {done.report_path}")
     if done.best_json_path is not None:
         console.print(f"best configuration written to {done.best_json_path}")
-    if done.search.stopped_because == "interrupted":  # stopped by the user or a scheduler, whatever was found
-        return stopped_exit_code()
+    if done.search.stopped_because == "interrupted":  # stopped by the user, a scheduler or stdout's reader, whatever was found
+        return EXIT_BROKEN_PIPE if console.reader_gone else stopped_exit_code()
     if result.best is None:
         raise no_result_error(result)  # nothing fits (exit 3), or no probe finished (exit 4)
     return 0

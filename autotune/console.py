@@ -21,6 +21,26 @@ from autotune.storage import describe as describe_storage
 from autotune.units import format_bytes, format_duration
 
 
+class PipeConsole(Console):
+    """A console whose reader may go away (``autotune run ... | head``): the first write to a closed pipe goes
+    quiet and raises :class:`~autotune.errors.ReaderGone`, which stops the run as Ctrl-C does, where rich's own
+    console would exit 1 at once, with nothing written."""
+
+    reader_gone = False
+
+    def on_broken_pipe(self) -> None:
+        import os
+        import sys
+
+        from autotune.errors import ReaderGone
+
+        self.quiet = True
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # as rich does: no second error at exit
+        if not self.reader_gone:
+            self.reader_gone = True
+            raise ReaderGone()
+
+
 class _TimeLeftColumn(ProgressColumn):
     def render(self, task: Any) -> Text:
         deadline = task.fields.get("deadline")

@@ -62,6 +62,12 @@ class ProbeError(AutotuneError):
     """A probe could not be run at all (as opposed to a probe whose outcome is a failure)."""
 
 
+class ReaderGone(KeyboardInterrupt):
+    """The reader of stdout went away (``autotune run ... | head -3``): the run stops as on Ctrl-C (the probe in
+    flight is recorded as interrupted, best.json and the report are written, nothing more is printed) and the CLI
+    exits 141, as a tool stopped by SIGPIPE does."""
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM received (:func:`autotune.interrupts.sigterm_interrupts`): handled everywhere exactly as
     Ctrl-C is (the probe in flight is stopped and recorded as interrupted, results and report are

@@ -493,7 +493,9 @@ def no_result_error(result: TuneResult) -> NothingFits | NoResult:
 
     counts = result.counts()
     ran_over = bool(counts.get(ProbeStatus.OK)) and result.ranked().empty
-    if counts.get(ProbeStatus.OOM) or counts.get(ProbeStatus.PRUNED) or ran_over:
+    # A probe cut short (timed out, interrupted, not started) might have fit: then "nothing fits" is not known.
+    unresolved = counts.get(ProbeStatus.TIMEOUT, 0) + counts.get("fail", 0)
+    if (counts.get(ProbeStatus.OOM) or counts.get(ProbeStatus.PRUNED) or ran_over) and not unresolved:
         ceiling = format_bytes(result.memory_ceiling_bytes)
         smallest = result.trials["per_device_train_batch_size"].min()
         return NothingFits(f"nothing fits under the {ceiling} memory ceiling (smallest batch size tried: {smallest}): "
@@ -504,6 +506,9 @@ def no_result_error(result: TuneResult) -> NothingFits | NoResult:
         longest = pd.to_numeric(timeouts["wall_s"], errors="coerce").max() if not timeouts.empty else None
         cut = f"; the longest probe ran {format_duration(longest)} before it was cut" if longest and longest == longest else ""
         return NoResult(f"the budget ended before any probe finished ({summary}{cut}): give a larger --budget")
+    if counts.get("fail"):
+        return NoResult(f"no configuration finished a probe under the ceiling before the run was stopped ({summary}): "
+                        "run the same command again, the study resumes where it stopped")
     return NoResult(
         f"no configuration finished a probe ({summary}): see each trial's reason in the report, "
         "or the traceback with `autotune --debug run ...`"

@@ -174,6 +174,98 @@ def test_a_clean_verdict_forks(monkeypatch) -> None:
     assert modes == ["forkserver", "cold"]
 
 
+def test_a_stopped_or_dead_probe_server_is_seen_before_forking_from_it(monkeypatch) -> None:
+    """kill -STOP of the server made the next fork block for ever; kill -9 made it fail with EOFError."""
+    import signal
+    from multiprocessing import forkserver
+
+    server = subprocess.Popen(["sleep", "60"])  # stands in for the server: its pid is what is looked at
+    monkeypatch.setattr(forkserver._forkserver, "_forkserver_pid", server.pid)
+    try:
+        assert isolation.server_problem() is None  # running
+        os.kill(server.pid, signal.SIGSTOP)
+        time.sleep(0.2)
+        assert "stopped" in (isolation.server_problem() or "")
+        os.kill(server.pid, signal.SIGKILL)
+        time.sleep(0.2)
+        assert "died" in (isolation.server_problem() or "")  # killed, not reaped yet
+        server.wait()
+        assert "gone" in (isolation.server_problem() or "")
+    finally:
+        server.kill()
+        server.wait()
+
+
+def test_a_probe_server_that_stopped_working_is_abandoned_for_cold_probes_with_one_warning(monkeypatch, caplog) -> None:
+    from multiprocessing import forkserver
+
+    server = subprocess.Popen(["sleep", "60"])
+    monkeypatch.setattr(forkserver._forkserver, "_forkserver_pid", server.pid)
+    monkeypatch.setattr(isolation, "_server_check", isolation.ServerCheck(clean=True))
+    monkeypatch.setattr(isolation, "server_problem", lambda: "it is stopped (SIGSTOP?)")
+    modes = _record_launches(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="autotune.probe.isolation"):
+        first = isolation.run_isolated(_spec(), timeout_s=60)
+    assert first.ok and modes == ["cold"] and not isolation.start_server()  # and every later probe is cold
+    assert server.wait(timeout=10) == -9  # a stopped server does not outlive the run
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "stopped" in warnings[0] and "every later probe starts cold" in warnings[0]
+
+
+def test_a_fork_that_fails_as_the_server_dies_is_run_cold(monkeypatch) -> None:
+    monkeypatch.setattr(isolation, "_server_check", isolation.ServerCheck(clean=True))
+    monkeypatch.setattr(isolation, "server_problem", lambda: None)
+    monkeypatch.setattr(isolation, "abandon_server", lambda reason: monkeypatch.setattr(isolation, "_server_check",
+                                                                                        isolation.ServerCheck(False, reason)))
+    modes: list[str] = []
+
+    def launch(mode, spec_path, result_path, log_path, env, python):
+        modes.append(mode)
+        if mode == "forkserver":
+            raise EOFError("unexpected EOF")  # what multiprocessing raised when the server was killed between probes
+        return _WritesOk(result_path)
+
+    monkeypatch.setattr(isolation, "_launch", launch)
+    assert isolation.run_isolated(_spec(), timeout_s=60).ok
+    assert modes == ["forkserver", "cold"] and "EOFError" in isolation._server_check.reason
+
+
+def test_a_probe_whose_server_died_under_it_is_probed_once_more_not_blamed(monkeypatch) -> None:
+    """kill -9 of the server while a probe ran: its exit is never reported (255); that is the server's fault."""
+    from autotune import studies
+
+    class Lost(isolation._ForkedChild):
+        def __init__(self) -> None:
+            self.pid = 0
+
+        def wait(self, timeout_s: float) -> int:
+            return isolation.UNREPORTED_EXIT_CODE
+
+        def kill_group(self) -> None:
+            pass
+
+    monkeypatch.setattr(isolation, "_server_check", isolation.ServerCheck(clean=True))
+    monkeypatch.setattr(isolation, "_launch", lambda *args, **kwargs: Lost())
+    problems = iter([None, "it died (killed?)"])  # fine when the probe started, dead when it ended
+    monkeypatch.setattr(isolation, "server_problem", lambda: next(problems))
+    result = isolation.run_isolated(_spec(), timeout_s=60)
+    assert result.status == "crash" and result.error.startswith(isolation.LOST_WITH_SERVER)
+    assert studies.killed(result)  # what the loop retries once
+
+
+def test_a_process_that_ended_is_not_running_even_before_its_parent_reaps_it() -> None:
+    running = subprocess.Popen(["sleep", "30"])
+    ended = subprocess.Popen(["true"])
+    time.sleep(0.5)  # ended, not waited for: a zombie, as a probe whose stopped server cannot reap it
+    try:
+        assert isolation._running(running.pid) and not isolation._running(ended.pid)
+    finally:
+        running.kill()
+        running.wait()
+        ended.wait()
+    assert not isolation._running(ended.pid)  # reaped: gone
+
+
 # ---- --isolation: CLI and API -------------------------------------------------------------------
 
 

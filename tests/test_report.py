@@ -309,6 +309,24 @@ def test_a_budget_that_ends_before_any_probe_finishes_says_so(storage) -> None:
     assert "memory" not in str(error) and "checkpointing" not in str(error)
 
 
+def test_nothing_fits_is_not_said_while_a_probe_that_might_fit_was_cut_short(storage) -> None:
+    """A prune and an interrupted (or timed-out) probe: what fits is not known, so no advice about memory."""
+    import optuna
+    from optuna.trial import TrialState
+
+    from autotune.errors import NoResult, NothingFits
+    from autotune.results import load_result, no_result_error
+
+    make_study(storage, "cut", n_trials=3, oom_above_bytes=1, fail_on={})
+    study = optuna.load_study(study_name="cut", storage=storage)
+    assert isinstance(no_result_error(load_result("cut", storage)), NothingFits)  # every probe out of memory: it is known
+    trial = study.ask()
+    trial.set_user_attr("reason", "interrupted by the user")
+    study.tell(trial, state=TrialState.FAIL)
+    error = no_result_error(load_result("cut", storage))
+    assert type(error) is NoResult and "run the same command again" in str(error) and "memory-ceiling" not in str(error)
+
+
 def test_run_writes_the_report_when_interrupted(tmp_path, monkeypatch, capsys) -> None:
     """Ctrl-C between probes: the run still writes the report of what it measured, and exits 130."""
     import autotune.api

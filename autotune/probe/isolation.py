@@ -65,6 +65,8 @@ PRELOAD_MODULES = ["autotune.probe.preload"]
 _STDERR_TAIL_CHARS = 2000
 SCRATCH_ENV = "AUTOTUNE_PROBE_SCRATCH"  # the folder a probe child keeps its scratch files in
 RUN_CACHE_ENV = "AUTOTUNE_RUN_CACHE"  # a folder every probe of this driver shares (run_cache_dir)
+_FORK_TIMEOUT_S = 120.0  # a running server forks a probe in well under a second; a loaded machine is slower
+_SERVER_START_TIMEOUT_S = 600.0  # its imports (torch, transformers) and its first fork, on a loaded machine too
 _SELF_TEST_TIMEOUT_S = 120.0  # the self-test child only reads two flags (the server's imports finish before it forks)
 
 # The variables torchrun sets in each worker (torch.distributed.run documentation, "Environment
@@ -220,9 +222,8 @@ def _probe_server_cuda() -> dict[str, Any]:
     context = _server_context()
     with tempfile.TemporaryDirectory(prefix="autotune-server-check-") as tmp:
         report = Path(tmp) / "cuda.json"
-        with _without_main_module():
-            child = context.Process(target=_report_server_cuda, args=(str(report),), name="autotune-probe-server-check")
-            child.start()  # returns once the server has finished its imports and forked
+        child = context.Process(target=_report_server_cuda, args=(str(report),), name="autotune-probe-server-check")
+        _start_watched(child, _SERVER_START_TIMEOUT_S)  # returns once the server has finished its imports and forked
         child.join(_SELF_TEST_TIMEOUT_S)
         if child.exitcode is None:
             child.kill()
@@ -256,6 +257,8 @@ def check_server() -> ServerCheck:
     try:
         state = _probe_server_cuda()
     except Exception as exc:  # noqa: BLE001 - whatever stops the server stops forking, not the run
+        if _server_check is not None:  # given up while it started (abandon_server warned once)
+            return _server_check
         check = ServerCheck(False, "it did not start cleanly: " + " ".join(str(exc).split()))  # one line
     else:
         if state.get("bad_fork") or state.get("initialized"):
@@ -280,6 +283,81 @@ def start_server() -> bool:
         Whether probes can fork from it (see :func:`check_server`).
     """
     return check_server().clean
+
+
+def server_problem() -> str | None:
+    """Why the running probe server cannot fork a probe now (stopped, or gone), or None: it can, or it has not
+    started (then the next fork starts it). Read from ``/proc``; elsewhere nothing is known, so None."""
+    from multiprocessing import forkserver
+
+    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    if pid is None:
+        return None
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text(encoding="ascii").rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "it is gone (killed?)" if Path("/proc/self/stat").exists() else None
+    except (OSError, IndexError):
+        return None
+    if state in ("T", "t"):
+        return "it is stopped (SIGSTOP?)"
+    if state in ("Z", "X"):
+        return "it died (killed?)"
+    return None
+
+
+def _start_watched(process: Any, limit_s: float) -> None:
+    """``process.start()`` for a child of the probe server, which blocks until the server has forked it: watched,
+    so that a server that is stopped (SIGSTOP), dies or does not answer within ``limit_s`` is given up (and
+    killed) and the start fails, instead of blocking the run for ever.
+
+    Raises:
+        ConnectionError: the server stopped working; the caller starts the probe cold.
+    """
+    import threading
+    from multiprocessing import forkserver
+
+    # The server itself is started from this thread (at once: its imports run in it), not from the watched one:
+    # a server started from a thread that then ends failed every fork (exit code 255, Python 3.11, Linux).
+    forkserver.ensure_running()
+    failed: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            with _without_main_module():
+                process.start()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            failed.append(exc)
+
+    thread = threading.Thread(target=start, name="autotune-probe-server-start", daemon=True)
+    thread.start()
+    deadline_s = time.monotonic() + limit_s
+    while thread.is_alive():
+        thread.join(0.5)
+        problem = server_problem() if thread.is_alive() else None
+        if problem is None and time.monotonic() < deadline_s:
+            continue
+        if thread.is_alive():
+            abandon_server(problem or f"it did not fork a probe within {limit_s:.0f} s")  # kills it: the start fails at once
+            thread.join(30)
+            raise ConnectionError(f"the probe server stopped working ({problem or 'no answer'})")
+    if failed:
+        raise failed[0]
+
+
+def abandon_server(reason: str) -> None:
+    """Never fork from the probe server again in this process: every later probe starts cold (one warning).
+    A stopped server is killed, so that it does not outlive the run."""
+    from multiprocessing import forkserver
+
+    global _server_check
+    _server_check = ServerCheck(False, reason)
+    _log.warning("autotune: the probe server stopped working (%s): every later probe starts cold instead "
+                 "(a few seconds more per probe, same measurements)", reason)
+    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    if pid is not None:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
 
 
 @contextlib.contextmanager
@@ -311,20 +389,43 @@ class _ForkedChild:
         self.process = _server_context().Process(
             target=target, args=(str(spec_path), str(result_path), str(log_path), env), name="autotune-probe"
         )
-        with _without_main_module():
-            self.process.start()
+        _start_watched(self.process, _FORK_TIMEOUT_S)
         assert self.process.pid is not None
         self.pid = self.process.pid
 
     def wait(self, timeout_s: float) -> int | None:
-        self.process.join(timeout_s)
-        return self.process.exitcode
+        """The child's exit code, or None at the deadline. Its exit is reported by the server that forked it: a
+        server stopped or killed meanwhile never reports, so the child's own process is looked at too."""
+        deadline_s = time.monotonic() + timeout_s
+        while True:
+            self.process.join(max(0.0, min(1.0, deadline_s - time.monotonic())))
+            if self.process.exitcode is not None:
+                return self.process.exitcode
+            if not _running(self.pid):
+                return UNREPORTED_EXIT_CODE
+            if time.monotonic() >= deadline_s:
+                return None
 
     def kill_group(self) -> None:
         _kill_tree(self.pid)  # the child's session: it and its DataLoader workers
-        if self.process.exitcode is None:
+        if self.process.exitcode is None and _running(self.pid):
             self.process.kill()  # killed before it called setsid
-        self.process.join()
+        self.process.join(5.0)  # bounded: a stopped server never reports the exit
+
+
+UNREPORTED_EXIT_CODE = 255  # a forked probe ended, but the server that forked it could not say how (stopped or killed)
+LOST_WITH_SERVER = "probe process lost with its probe server (stopped or killed while the probe ran)"
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` runs (not ended, not a zombie waiting for its parent); True where /proc cannot tell."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text(encoding="ascii").rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return not Path("/proc/self/stat").exists()
+    except (OSError, IndexError):
+        return True
+    return state not in ("Z", "X")
 
 
 def _launch(
@@ -540,8 +641,19 @@ def run_isolated(
         env = {**env, SCRATCH_ENV: str(folder), RUN_CACHE_ENV: str(run_cache_dir()), DRIVER_PID_ENV: str(os.getpid()), DEADLINE_ENV: f"{timeout_s:.0f}"}
         if mode == "forkserver" and not start_server():  # once per process; not charged to this trial
             mode = "cold"
+        if mode == "forkserver" and (problem := server_problem()) is not None:  # forking from it would hang or fail
+            abandon_server(problem)
+            mode = "cold"
         start_s = time.monotonic()
-        child = _launch(mode, spec_path, result_path, log_path, env, python)
+        try:
+            child = _launch(mode, spec_path, result_path, log_path, env, python)
+        except (EOFError, ConnectionError, OSError) as exc:
+            if mode != "forkserver":
+                raise
+            abandon_server(f"forking a probe failed: {type(exc).__name__}: {exc}")  # it died as we asked it
+            mode = "cold"
+            start_s = time.monotonic()
+            child = _launch(mode, spec_path, result_path, log_path, env, python)
         try:
             returncode = child.wait(timeout_s)
         except BaseException:
@@ -561,7 +673,9 @@ def run_isolated(
             except (json.JSONDecodeError, TypeError) as exc:
                 return ProbeResult(status=ProbeStatus.CRASH, error=f"unreadable probe result: {exc}", wall_s=wall_s)
             return result.replace(overhead_s=fixed_overhead_s(result))
-        if returncode < 0:
+        if returncode == UNREPORTED_EXIT_CODE and isinstance(child, _ForkedChild) and server_problem() is not None:
+            reason = LOST_WITH_SERVER  # says nothing of the configuration: probed once more
+        elif returncode < 0:
             name = signal.Signals(-returncode).name
             hint = " (the kernel's OOM killer?)" if -returncode == signal.SIGKILL else ""
             reason = f"probe process killed by {name}{hint}"
