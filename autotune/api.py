@@ -8,6 +8,7 @@ the report and returns the result. The CLI adds only argument parsing and displa
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import hashlib
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import optuna
 
 import autotune.studies as studies
-from autotune.errors import DeviceError, UsageError
+from autotune.errors import DeviceError, StorageFailed, UsageError
 from autotune.params import PARAM_DEFAULTS, PARAM_NAMES, TrialParams
 from autotune.probe.device import detect_device
 from autotune.records import DeviceInfo
@@ -894,17 +895,22 @@ def run_plan(
         on_open(plan, finished_trials(study))
     report_path = Path(report_dir) / studies.report_file_name(plan.study_name) if report_dir is not None else None
     try:
-        if plan.gpus:
-            from autotune.workers import run_workers
+        with studies.storage_errors(plan.storage, during_run=True):
+            if plan.gpus:
+                from autotune.workers import run_workers
 
-            outcome = run_workers(study, plan.storage, [f"cuda:{gpu}" for gpu in plan.gpus], plan.memory_ceiling_bytes,
-                                  n_trials=plan.settings.n_trials, on_start=on_start, on_trial=on_trial)
-            studies.record_stop(study, outcome.stopped_because)
-        else:
-            outcome = execute(plan, study, evaluator or plan_evaluator(plan), on_trial=on_trial, on_start=on_start,
-                              started_s=started_s)
+                outcome = run_workers(study, plan.storage, [f"cuda:{gpu}" for gpu in plan.gpus], plan.memory_ceiling_bytes,
+                                      n_trials=plan.settings.n_trials, on_start=on_start, on_trial=on_trial)
+                studies.record_stop(study, outcome.stopped_because)
+            else:
+                outcome = execute(plan, study, evaluator or plan_evaluator(plan), on_trial=on_trial, on_start=on_start,
+                                  started_s=started_s)
     except KeyboardInterrupt:
         _write_outputs(load_result(plan.study_name, plan.storage, stopped_because="interrupted"), report_path, best_json)
+        raise
+    except StorageFailed:
+        with contextlib.suppress(Exception):  # a storage that still reads (read-only, full): what it holds is written out
+            _write_outputs(load_result(plan.study_name, plan.storage, stopped_because="storage failed"), report_path, best_json)
         raise
     result = load_result(plan.study_name, plan.storage, stopped_because=outcome.stopped_because)
     best_json_path, report_error = _write_outputs(result, report_path, best_json)

@@ -10,6 +10,7 @@ from __future__ import annotations
 EXIT_USAGE = 2
 EXIT_NOTHING_FITS = 3
 EXIT_NO_RESULT = 4
+EXIT_STORAGE_FAILED = 5  # the study's storage failed during the run
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: Ctrl-C
 EXIT_TERMINATED = 143  # 128 + SIGTERM: a scheduler (SLURM, Kubernetes) or `kill` stopped the run
 
@@ -60,6 +61,13 @@ class NoResult(AutotuneError):
 
 class ProbeError(AutotuneError):
     """A probe could not be run at all (as opposed to a probe whose outcome is a failure)."""
+
+
+class StorageFailed(AutotuneError):
+    """The study's storage failed during the run (read-only, full, removed, locked, its server stopped): the
+    run stops; every trial it stored before is kept, and the same command resumes once the storage works."""
+
+    exit_code = EXIT_STORAGE_FAILED
 
 
 class ReaderGone(KeyboardInterrupt):

@@ -236,11 +236,22 @@ def _check_sqlite_content(storage: str, path: Path) -> None:
     if header != _SQLITE_HEADER:
         raise _error(storage, f"{path} is not an SQLite database (it does not start with the SQLite header; corrupt or another kind of file)", move)
     uri = f"file:{urllib.parse.quote(str(path.resolve()))}?mode=ro"
+    query = "select name from sqlite_master where type='table'"
     try:
         with contextlib.closing(sqlite3.connect(uri, uri=True)) as db:
-            tables = {row[0] for row in db.execute("select name from sqlite_master where type='table'")}
+            tables = {row[0] for row in db.execute(query)}
     except sqlite3.DatabaseError as exc:
-        raise _error(storage, f"{path} is a damaged SQLite database ({exc})", move) from None
+        hot = Path(f"{path}-journal")
+        if not (hot.is_file() and hot.stat().st_size):
+            raise _error(storage, f"{path} is a damaged SQLite database ({exc})", move) from None
+        # A hot rollback journal: a writer was killed mid-commit. A read-only connection cannot roll it back; the
+        # first read-write one does (SQLite's own recovery), and the database is whole again as before that commit.
+        try:
+            with contextlib.closing(sqlite3.connect(str(path))) as db:
+                tables = {row[0] for row in db.execute(query)}
+        except sqlite3.DatabaseError as again:
+            raise _error(storage, f"{path} has an unfinished commit in {hot.name} that SQLite could not roll back ({again})",
+                         f"make {path.parent} writable so that SQLite can recover it, or {move}") from None
     if tables and not tables & _OPTUNA_TABLES:
         shown = ", ".join(sorted(tables)[:5])
         raise _error(storage, f"{path} is an SQLite database of something else (tables {shown}), not an Optuna storage", move)

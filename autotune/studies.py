@@ -20,6 +20,7 @@ import json
 import os
 import re
 import socket
+import sqlite3
 import threading
 import time
 import warnings
@@ -32,10 +33,11 @@ import psutil
 from optuna.trial import FrozenTrial, TrialState
 
 import autotune.storage as storage_lib
-from autotune.errors import UsageError
+from autotune.errors import StorageFailed, UsageError
 from autotune.params import TrialParams
 from autotune.records import Probe, ProbeResult, ProbeStatus
 from autotune.storage import DEFAULT_STORAGE as DEFAULT_STORAGE  # re-exported: the CLI, the API and the report read it here
+from autotune.units import GiB
 
 STUDY_ATTR = "autotune"  # study user attribute holding the run's settings (model, device, space, run log)
 
@@ -74,10 +76,22 @@ _FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 
 
 @contextlib.contextmanager
-def storage_errors(storage: Any) -> Iterator[None]:
+def storage_errors(storage: Any, *, during_run: bool = False) -> Iterator[None]:
     """Turn an unusable storage, an unreachable server or a damaged file met while Optuna works into a
-    one-line :class:`UsageError` (most are caught before, by :func:`autotune.storage.check`)."""
+    one-line :class:`UsageError` (most are caught before, by :func:`autotune.storage.check`); ``during_run``:
+    into :class:`StorageFailed`, whatever the storage raised (the run stops, what it stored is kept)."""
     shown = storage_lib.describe(storage)
+    if during_run:
+        try:
+            with storage_errors(storage):
+                yield
+        except (UsageError, OSError, sqlite3.Error) as exc:  # a journal file removed or read-only is an OSError
+            text = str(exc) if isinstance(exc, UsageError) else f"{type(exc).__name__}: {_first_line(exc)}"
+            cause = text.split(" (", 1)[1].rsplit("): ", 1)[0] if isinstance(exc, UsageError) and " (" in text else text
+            raise StorageFailed(f"the storage {shown!r} failed during the run ({cause}): the trials it stored before are kept; "
+                                "fix it (a writable file and folder, free disk, the server running) and run the same command "
+                                "to resume") from None
+        return
     try:
         yield
     except (ValueError, ImportError) as exc:  # a damaged journal line is a UnicodeDecodeError or JSONDecodeError
@@ -237,7 +251,7 @@ def mismatch(existing: dict[str, Any], settings: dict[str, Any], must_match: Seq
         return f"was measured on {before.get('name')}, not {now.get('name')}"
     memory_before, memory_now = before.get("total_memory_bytes"), now.get("total_memory_bytes")
     if before.get("kind") == "cuda" and memory_before and memory_now and memory_before != memory_now:
-        return f"was measured on a {memory_before / 2**30:.1f} GiB {before.get('name')}, not a {memory_now / 2**30:.1f} GiB one"
+        return f"was measured on a {memory_before / GiB:.1f} GiB {before.get('name')}, not a {memory_now / GiB:.1f} GiB one"
     return None
 
 

@@ -6,11 +6,12 @@ import re
 
 from autotune.errors import BudgetError
 
+GiB = 2**30  # bytes; the one definition every module and test uses
 _DURATION_UNITS_S = {"s": 1.0, "m": 60.0, "h": 3600.0}
 _BYTE_UNITS = {
     "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "kib": 2**10, "mib": 2**20, "gib": GiB, "tib": 2**40,
     "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
 }
 

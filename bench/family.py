@@ -74,8 +74,8 @@ from autotune.params import KNOBS_ADDED_LATER, PARAM_DEFAULTS, PARAM_NAMES, Tria
 from autotune.records import ProbeResult, ProbeStatus
 from autotune.search.loop import VirtualClock
 from autotune.space import SearchSpace, load_space
+from autotune.units import GiB
 
-GiB = 2**30
 FAMILY_VERSION = 2  # part of every draw's seed: a changed generator is a different family (2: loader-bound draws, silent telemetry, precision ties)
 RANGE_SPAN = 100_000  # every range of draws starts at a multiple of this (bench.search's heldoutN at N x RANGE_SPAN)
 HELDOUT_START = RANGE_SPAN

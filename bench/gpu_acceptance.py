@@ -320,8 +320,10 @@ def write_summary(out: Path) -> Path:
         path = out / f"{name}.json"
         if path.exists():
             records[name] = json.loads(path.read_text(encoding="utf-8"))
+    from autotune.units import GiB
+
     quick = any(r.get("quick") for r in records.values())
-    gib = device["total_memory_bytes"] / 2**30
+    gib = device["total_memory_bytes"] / GiB
     capability = ".".join(map(str, device["compute_capability"])) if device.get("compute_capability") else None
     versions = env["versions"]
     autotune = env["autotune"]

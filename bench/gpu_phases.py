@@ -34,10 +34,9 @@ from autotune.models import ModelSpec, resolve_model
 from autotune.params import COMPILED_GRAPH_PARAMS, PARAM_DEFAULTS, PARAM_NAMES, PRECISIONS, TrialParams
 from autotune.probe.evaluator import ProbeEvaluator
 from autotune.records import DeviceInfo, ProbeResult
-from autotune.units import format_bytes, format_duration
+from autotune.units import GiB, format_bytes, format_duration
 
 REPO = Path(__file__).resolve().parent.parent
-GiB = 2**30
 COMPILE_MODES = ("off", "inductor", "inductor:max-autotune")
 RATIO_TOLERANCE = 0.05  # a plain Trainer must agree with the probe within 5%
 CV_TARGET = 0.02

@@ -40,7 +40,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-GiB = 2**30
+from autotune.units import GiB
+
 BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 64, 80, 96, 112, 128, 160)
 ACCUMULATIONS = (1, 2, 4, 8)
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16")

@@ -35,10 +35,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from autotune.units import parse_duration_s
+from autotune.units import GiB, parse_duration_s
 from bench.family import RANGE_SPAN  # a draw's seed is its index in its range
-
-GiB = 2**30
 
 
 def trace(draw: int, budget_s: float, strategy: str = "bayes", out: Any = None, noise_stream: int = 0) -> dict[str, Any]:

@@ -19,10 +19,10 @@ import pytest
 from autotune.params import TrialParams
 from autotune.records import DeviceInfo, ProbeResult
 from autotune.search.loop import VirtualClock
+from autotune.units import GiB
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-GiB = 2**30
 
 
 @dataclass

@@ -14,8 +14,7 @@ from autotune.errors import DeviceError
 from autotune.probe import device
 from autotune.probe.device import detect_device, is_out_of_memory
 from autotune.records import DeviceInfo
-
-GiB = 2**30
+from autotune.units import GiB
 
 
 def gpu_uuid(index: int) -> str:

@@ -327,6 +327,33 @@ def test_nothing_fits_is_not_said_while_a_probe_that_might_fit_was_cut_short(sto
     assert type(error) is NoResult and "run the same command again" in str(error) and "memory-ceiling" not in str(error)
 
 
+def test_a_storage_that_fails_mid_run_is_one_line_exit_5_and_keeps_what_it_stored(tmp_path, monkeypatch, capsys) -> None:
+    """A commit failing during the run (a read-only folder, a full disk, a stopped server): no traceback, the
+    trials stored before are kept, the report of what the storage still reads is written."""
+    import optuna
+
+    import autotune.api
+    from autotune.errors import EXIT_STORAGE_FAILED
+    from tests.conftest import FakeEvaluator
+
+    real_execute = autotune.api.execute
+
+    def execute_then_fail(plan, study, evaluator, **kwargs):
+        real_execute(plan, study, FakeEvaluator(), **kwargs)
+        raise optuna.exceptions.StorageInternalError("An exception is raised during the commit.") from OSError(28, "No space left on device")
+
+    monkeypatch.setattr(autotune.api, "execute", execute_then_fail)
+    storage = f"sqlite:///{tmp_path / 'a.db'}"
+    code = main(["run", "--model", "tiny-gptneox", "--space", "quick", "--seq-len", "32", "--device", "cpu",
+                 "--n-trials", "3", "--storage", storage, "--study", "s", "--report-dir", str(tmp_path / "reports")])
+    err = capsys.readouterr().err.strip()
+    assert code == EXIT_STORAGE_FAILED and "\n" not in err
+    assert err.startswith("autotune: error: the storage") and "failed during the run" in err and "No space left on device" in err
+    assert "run the same command to resume" in err
+    assert len(optuna.load_study(study_name="s", storage=storage).trials) == 3
+    assert (tmp_path / "reports" / "s.html").is_file()
+
+
 def test_run_writes_the_report_when_interrupted(tmp_path, monkeypatch, capsys) -> None:
     """Ctrl-C between probes: the run still writes the report of what it measured, and exits 130."""
     import autotune.api

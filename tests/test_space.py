@@ -9,8 +9,8 @@ import pytest
 from autotune.errors import SearchSpaceError, UsageError
 from autotune.records import DeviceInfo
 from autotune.space import builtin_space_names, load_space, parse_space
+from autotune.units import GiB
 
-GiB = 2**30
 V100 = DeviceInfo(kind="cuda", name="Tesla V100", total_memory_bytes=32 * GiB, compute_capability=(7, 0))
 
 

@@ -123,3 +123,31 @@ def test_the_driver_check_is_the_api_s_too(monkeypatch, fake_gpu, tmp_path) -> N
     monkeypatch.setitem(sys.modules, "psycopg", None)
     with pytest.raises(UsageError, match=r"autotune\[postgres\]"):
         _tune("postgresql://tuner@127.0.0.1:1/studies", fake_gpu, tmp_path, n_trials=1)
+
+
+def test_a_database_a_killed_writer_left_with_a_hot_journal_is_recovered_not_refused(tmp_path) -> None:
+    """A writer killed mid-commit leaves `a.db-journal`: SQLite rolls it back on the first read-write open, and
+    the study is whole as before that commit (it was refused as "damaged")."""
+    import subprocess
+
+    from autotune import storage as storage_lib
+
+    path = tmp_path / "a.db"
+    url = f"sqlite:///{path}"
+    study = optuna.create_study(study_name="s", storage=url)
+    for value in range(3):
+        trial = study.ask()
+        study.tell(trial, float(value))
+    writer = (
+        "import os, sqlite3\n"
+        f"db = sqlite3.connect({str(path)!r}, isolation_level=None)\n"
+        "db.execute('PRAGMA cache_size=1'); db.execute('BEGIN'); db.execute('CREATE TABLE junk(x)')\n"
+        "for _ in range(2000): db.execute('INSERT INTO junk VALUES (?)', ('x' * 500,))\n"
+        "os._exit(9)\n"  # killed mid-transaction, its pages already spilled into the database file
+    )
+    subprocess.run([sys.executable, "-c", writer], check=False)
+    journal = tmp_path / "a.db-journal"
+    assert journal.is_file() and journal.stat().st_size > 0
+    storage_lib.check(url, write=True)
+    assert not journal.exists()
+    assert [t.value for t in optuna.load_study(study_name="s", storage=url).trials] == [0.0, 1.0, 2.0]

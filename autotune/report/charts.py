@@ -16,9 +16,8 @@ from autotune.params import PARAM_NAMES
 from autotune.records import ProbeStatus
 from autotune.report.formatting import is_missing
 from autotune.results import short_config
-from autotune.units import format_bytes
+from autotune.units import GiB, format_bytes
 
-GiB = 2**30
 CEILING_DRAW_FACTOR = 4.0  # draw the ceiling line when it is at most this many times the highest peak
 COLORWAY = ["#3b6fd8", "#e0762d", "#2e9f5b", "#c23b4e", "#8a5cc7", "#7a6a55", "#d45fb0", "#6b7385"]
 GROUP_COLORS = {"fp32": "#3b6fd8", "tf32": "#8a5cc7", "fp16": "#e0762d", "bf16": "#2e9f5b",  # per precision (+tf32: a darker shade)

@@ -51,8 +51,7 @@ import numpy as np
 
 from autotune.params import TrialParams, mixed_precision_dtype
 from autotune.records import ProbeResult, ProbeStatus
-
-GiB = 2**30
+from autotune.units import GiB
 
 # Bytes per parameter of optimizer state, by substring of the TrainingArguments optim name (first match),
 # for float32 parameters, and whether the state is kept in the parameters' dtype (torch's optimizers

@@ -764,12 +764,12 @@ class BayesStrategy(Strategy):
         if not feasible or ACCUM not in grid.names or "gradient_checkpointing" not in grid.names:
             return None
         incumbent = feasible[0].params
-        target = incumbent.per_device_train_batch_size * incumbent.gradient_accumulation_steps
+        target = incumbent.effective_batch_size
         flat_allowed = allowed.reshape(-1)
         for value in grid.values["gradient_checkpointing"]:
             if value == incumbent.gradient_checkpointing:
                 continue
-            if any(p.params.gradient_checkpointing == value and p.params.per_device_train_batch_size * p.params.gradient_accumulation_steps >= target
+            if any(p.params.gradient_checkpointing == value and p.params.effective_batch_size >= target
                    for p in history):
                 continue
             best = next((c.params for c in feasible if c.params.gradient_checkpointing == value), None)
