@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from autotune.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, AutotuneError, Terminated, UsageError
+from autotune.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, AutotuneError, Terminated
 from autotune.interrupts import received_sigterm, sigterm_interrupts
 from autotune.version import __version__
 
@@ -39,10 +39,6 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
     "replay": [
         ("autotune replay tests/data/landscape_pythia-160m-l4.csv.gz --budget 30m --memory-ceiling 16GiB", "search a replay table"),
         ("autotune replay TABLE.csv --strategy tpe --seed 3 --json", "another strategy, one JSON object"),
-    ],
-    "bench-search": [
-        ("autotune bench-search", "every strategy over 20 seeds on the shipped synthetic tables"),
-        ("autotune bench-search TABLE.csv.gz:40GiB --seeds 5 --strategies frontier,tpe", "your own table and ceiling"),
     ],
     "models": [("autotune models", "list the built-in models")],
     "spaces": [("autotune spaces", "list the built-in search spaces")],
@@ -172,6 +168,7 @@ def recorded_command(argv: Sequence[str]) -> str:
 def cmd_run(args: argparse.Namespace) -> int:
     import dataclasses
 
+    import autotune.studies as studies
     from autotune.api import RunOptions, plan_run, run_plan
     from autotune.console import LiveProgress, PipeConsole, print_header, print_summary
     from autotune.results import no_result_error
@@ -191,7 +188,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # outside a probe (inside one the loop stops cleanly): best.json and the report are written
         if console.reader_gone:
             return EXIT_BROKEN_PIPE
-        console.print(f"interrupted; report: {Path(args.report_dir) / (plan.study_name + '.html')}")
+        report = Path(args.report_dir) / studies.report_file_name(plan.study_name)
+        console.print(f"interrupted; report: {report}" if report.is_file() else
+                      f"interrupted before the report was written: `autotune report {plan.study_name} --storage {plan.storage}` writes it")
         raise
     result = done.result
     if done.search.pruned:
@@ -360,39 +359,6 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_bench_search(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "bench-search", help="benchmark the strategies on replay tables (bench/search.py)",
-        description="Run every strategy over many seeds on replay tables; print ratios to the true optimum, "
-        "time used, OOM probes launched, and one JSON summary line.",
-        epilog=_epilog("bench-search"), formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("tables", nargs="*", default=None, help="TABLE.csv[.gz][:CEILING] (default: the shipped synthetic tables)")
-    p.add_argument("--strategies", default=None, help="comma-separated (default: all)")
-    p.add_argument("--seeds", type=int, default=20, help="seeds per strategy and table (default: 20)")
-    p.add_argument("--budget", default="30m", help="virtual time per search (default: 30m)")
-    p.set_defaults(func=cmd_bench_search)
-
-
-def _checkout_bench() -> Path:
-    """bench/search.py beside the package, in a repository checkout (absent from an installed wheel)."""
-    return Path(__file__).resolve().parent.parent / "bench" / "search.py"
-
-
-def cmd_bench_search(args: argparse.Namespace) -> int:
-    checkout = _checkout_bench().parent.parent
-    if str(checkout) not in sys.path:
-        sys.path.insert(0, str(checkout))
-    try:
-        from bench.search import main as bench_main
-    except ImportError:
-        raise UsageError("bench-search needs the repository checkout (bench/search.py): run it from the repository root") from None
-    argv = [*(args.tables or []), "--seeds", str(args.seeds), "--budget", args.budget]
-    if args.strategies:
-        argv += ["--strategies", args.strategies]
-    return bench_main(argv)
-
-
 def cmd_models(args: argparse.Namespace) -> int:
     from autotune.models import BUILTIN_MODELS
 
@@ -511,8 +477,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_worker(sub)
     _add_estimate(sub)
     _add_replay(sub)
-    if _checkout_bench().is_file():  # a repository tool: the installed package does not ship bench/
-        _add_bench_search(sub)
     for name, func, help_text in (("models", cmd_models, "list built-in models"), ("spaces", cmd_spaces, "list built-in search spaces")):
         p = sub.add_parser(name, help=help_text, epilog=_epilog(name), formatter_class=argparse.RawDescriptionHelpFormatter)
         p.set_defaults(func=func)

@@ -91,6 +91,9 @@ class LiveProgress:
         return text
 
     def on_start(self, number: int, params: TrialParams) -> None:
+        if not self.console.is_terminal:  # a log (nohup, CI, a pipe) has no live line: say what runs, with the time left
+            left = f", {format_duration(max(0.0, self.start_s + self.budget_s - time.monotonic()))} left" if self.budget_s else ""
+            self.console.print(f"trial {number:>3} starts   {params.short()}{left}", style="dim", highlight=False)
         completed = time.monotonic() - self.start_s if self.budget_s else self.done
         self.progress.update(
             self.task, description=f"trial {number}: {params.short()}", completed=completed, status=self._status()

@@ -53,3 +53,24 @@ def test_no_empty_table_when_nothing_fits(tmp_path) -> None:
                         fail_on={(b, p): "crash" for b in (4, 8, 16, 32, 64) for p in ("fp32", "bf16")})
     assert ranked_table(failed) is None
     assert "Top configurations" not in _render(failed, 100)
+
+
+@pytest.mark.parametrize("terminal", [False, True])
+def test_a_log_says_when_each_probe_starts_a_terminal_shows_it_live(terminal) -> None:
+    """Under nohup or in CI a compiled probe may run for minutes: the log says which, and the time left."""
+    import io
+
+    from autotune.console import LiveProgress
+    from autotune.params import TrialParams
+
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=terminal, width=120)
+    live = LiveProgress(console, budget_s=600, n_trials=None, ceiling_bytes=2**30)
+    live.on_start(3, TrialParams(per_device_train_batch_size=16))
+    text = out.getvalue()
+    if terminal:
+        assert "starts" not in text  # the live line shows it (started with the display)
+    else:
+        import re
+
+        assert re.search(r"trial   3 starts   bs16x1 fp32 adamw_torch_fused sdpa, \S+ left", text), text

@@ -1,4 +1,4 @@
-"""`autotune estimate` and `bench-search`: the same numbers as the tuner, machine-readable output."""
+"""`autotune estimate` and `python -m bench.search`: the same numbers as the tuner, machine-readable output."""
 
 from __future__ import annotations
 
@@ -41,7 +41,9 @@ def test_estimate_table_and_bad_model(capsys) -> None:
 
 
 def test_bench_search_last_line_is_a_json_summary(capsys) -> None:
-    assert main(["bench-search", f"{DATA / 'landscape_tiny.csv'}:40GiB", "--seeds", "2", "--strategies", "frontier,random"]) == 0
+    from bench.search import main as bench_main
+
+    assert bench_main([f"{DATA / 'landscape_tiny.csv'}:40GiB", "--seeds", "2", "--strategies", "frontier,random", "--budget", "30m"]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     summary = json.loads(last)["tables"]["landscape_tiny"]
     for strategy in ("frontier", "random"):
