@@ -123,11 +123,11 @@ class RunOptions:
     budget: str | float | None = "30m"
     n_trials: int | None = None
     space: str | SearchSpace = "default"
-    memory_ceiling: str | int | None = None
+    memory_ceiling: str | float | None = None
     effective_batch_size: int | None = None
     seq_len: int | None = None
     device: str | DeviceInfo = "auto"
-    storage: str | None = None
+    storage: str | optuna.storages.BaseStorage | None = None
     study: str | None = None
     seed: int = 0
     trial_timeout: str | float = "15m"
@@ -149,6 +149,9 @@ class RunOptions:
     baseline: str | dict[str, Any] | None = None
     objective: str | None = None
 
+    def __post_init__(self) -> None:
+        check_option_types(self)
+
     @classmethod
     def of(cls, **values: Any) -> RunOptions:
         """Options from keywords; an unknown keyword is a :class:`UsageError` naming the close match.
@@ -165,6 +168,63 @@ class RunOptions:
         return cls(**values)
 
 
+def check_option_types(options: RunOptions) -> None:
+    """Each option of the type its annotation names (a path may stand for a string, an int for a float), so a
+    wrong one is one line naming it, not a traceback from deep in the run.
+
+    Raises:
+        UsageError: for the first option of another type.
+    """
+    import typing
+
+    hints = typing.get_type_hints(RunOptions)
+    for field in dataclasses.fields(RunOptions):
+        value = getattr(options, field.name)
+        if not _of_type(value, hints[field.name]):
+            raise UsageError(f"option {field.name}={value!r} is a {type(value).__name__}: give {_type_name(hints[field.name])} "
+                             f"(help(autotune.tune) lists every option)")
+
+
+def _of_type(value: Any, hint: Any) -> bool:
+    import collections.abc
+    import types
+    import typing
+
+    if hint is Any:
+        return True
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_of_type(value, arg) for arg in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, (str, os.PathLike))
+    if origin in (collections.abc.Sequence, list, tuple):
+        args = typing.get_args(hint)
+        return (isinstance(value, (list, tuple)) and not isinstance(value, str)
+                and (not args or all(_of_type(v, args[0]) for v in value)))
+    if origin is dict:
+        return isinstance(value, dict)
+    return isinstance(value, origin or hint)
+
+
+def _type_name(hint: Any) -> str:
+    import types
+    import typing
+
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(arg) for arg in typing.get_args(hint))
+    if hint is type(None):
+        return "None"
+    return getattr(hint, "__name__", None) or str(hint).replace("collections.abc.", "")
+
+
 @dataclass(frozen=True)
 class RunPlan:
     """Everything validated and resolved for one run, before any study is touched."""
@@ -175,7 +235,7 @@ class RunPlan:
     seq_len: int
     memory_ceiling_bytes: int
     baseline: TrialParams
-    storage: str
+    storage: Any  # a URL, or the Optuna storage object tune() was given (as TuneResult.storage)
     study_name: str
     settings: SearchSettings
     warmup_steps: int

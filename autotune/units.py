@@ -36,7 +36,7 @@ def parse_duration_s(text: str | float | int) -> float:
     return seconds
 
 
-def parse_bytes(text: str | int, *, total_bytes: int | None = None) -> int:
+def parse_bytes(text: str | int | float, *, total_bytes: int | None = None) -> int:
     """Parse ``40GiB``, ``16GB``, ``512MiB``, ``16B``, an int of bytes, or a fraction ``0.9`` of ``total_bytes`` (a
     text number without a unit is a fraction in (0, 1], else refused).
 

@@ -334,3 +334,18 @@ def test_dash_values_are_attached_only_to_options_that_take_a_value() -> None:
     assert attach_dash_values(parser, ["estimate", "--json", "--attn", "-1"]) == ["estimate", "--json", "--attn=-1"]
     assert attach_dash_values(parser, ["run", "--study", "run", "--budget", "5m"]) == ["run", "--study", "run", "--budget", "5m"]
     assert attach_dash_values(parser, ["replay", "--", "-table.csv"]) == ["replay", "--", "-table.csv"]
+
+
+@pytest.mark.parametrize(("keywords", "named"), [
+    ({"n_trials": "5"}, "option n_trials='5' is a str: give int or None"),
+    ({"budget": [30]}, "option budget=[30] is a list: give str or float or None"),
+    ({"seed": True}, "option seed=True is a bool: give int"),
+    ({"gpus": ["a"]}, "option gpus=['a'] is a list"),
+])
+def test_an_api_option_of_the_wrong_type_is_one_line_naming_it(keywords, named) -> None:
+    import autotune
+    from autotune.errors import UsageError
+
+    with pytest.raises(UsageError) as info:
+        autotune.tune(model="tiny-gptneox", device="cpu", **keywords)
+    assert str(info.value).startswith(named) and "\n" not in str(info.value)

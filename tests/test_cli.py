@@ -195,7 +195,7 @@ def test_a_closed_pipe_ends_quietly(tmp_path) -> None:
 
 @pytest.mark.slow
 def test_a_run_whose_reader_goes_away_stops_as_on_ctrl_c_and_exits_141(tmp_path) -> None:
-    """`autotune run ... | head -3`: the run stops at its next line, keeps what it measured, writes its report, exits 141."""
+    """`autotune run ... | head -4`: the run stops at its next line, keeps what it measured, writes its report, exits 141."""
     import subprocess
     import sys
 
@@ -206,10 +206,10 @@ def test_a_run_whose_reader_goes_away_stops_as_on_ctrl_c_and_exits_141(tmp_path)
                "--device", "cpu", "--n-trials", "6", "--storage", storage, "--study", "s", "--report-dir", str(tmp_path / "reports")]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert process.stdout is not None and process.stderr is not None
-    head = [process.stdout.readline() for _ in range(3)]
+    head = [process.stdout.readline() for _ in range(4)]  # the header, then "trial 0 starts" (not a terminal)
     process.stdout.close()  # what head does after its lines
     assert process.wait(timeout=300) == 141, process.stderr.read()[-2000:]
-    assert head[0].startswith("autotune tiny-gptneox") and process.stderr.read() == ""
+    assert head[0].startswith("autotune tiny-gptneox") and head[3].startswith("trial   0 starts") and process.stderr.read() == ""
     trials = optuna.load_study(study_name="s", storage=storage).trials
     assert trials and all(t.state.is_finished() for t in trials)  # nothing left RUNNING
     assert any(t.user_attrs.get("status") == "ok" for t in trials)

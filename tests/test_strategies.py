@@ -252,6 +252,25 @@ def test_a_compile_crash_makes_the_other_compile_mode_suspect_until_a_compiled_p
     assert _p_ok(cleared, grid, torch_compile="inductor:max-autotune", attn_implementation="eager") > 0.8
 
 
+@pytest.mark.parametrize("history", [
+    [_probe(0, "ok"), _probe(1, "crash", precision="bf16")],
+    [_probe(0, "ok", precision="bf16"), _probe(1, "ok", torch_compile="inductor"), _probe(2, "crash", precision="bf16", torch_compile="inductor")],
+    [_probe(0, "ok"), _probe(1, "crash", torch_compile="inductor"), _probe(2, "crash", torch_compile="inductor", precision="bf16", optim="adafactor")],
+])
+def test_what_the_prune_calls_a_certain_failure_is_never_proposed(history) -> None:
+    """The proposal and the prune apply one rule: a point holding every suspect of a failure has P(ok) 0 (on a
+    design draw the two disagreed, and 311 proposals were made and pruned one after another)."""
+    grid = _grid()
+    model = FailureModel.from_history(grid, history)
+    p_ok = np.broadcast_to(model.p_ok_grid(grid), grid.shape).reshape(-1)
+    certain = np.broadcast_to(model.certain_failure_grid(grid), grid.shape).reshape(-1)
+    assert certain.any() and not certain.all()
+    for flat in range(grid.size):
+        params = grid.params_at(flat)
+        assert bool(certain[flat]) == (model.certain_failure(params) is not None), params.short()
+    assert (p_ok[certain] == 0).all() and (p_ok[~certain] > 0).all()
+
+
 def test_an_out_of_memory_clears_crashes_but_not_divergence() -> None:
     grid = _grid()
     history = [_probe(0, "ok"), _probe(1, "oom", precision="fp16", per_device_train_batch_size=32)]
