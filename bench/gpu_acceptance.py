@@ -32,7 +32,7 @@ phase                  box   what
                              model's largest: OOMs are ``oom``, no ``ok`` probe over the ceiling, the
                              memory model's error per probe
 ``run``                320   ``autotune run --model polyglot-ko-1.3b --seq-len 512`` (API) with the box's
-                             budget (less 20 s for the report; up to 9 minutes: ``--box run=560``), its
+                             budget (less 20 s for the report; ``--box run=520`` fits one 10-minute call), its
                              study database and HTML report in the output folder
 ``side_by_side``       540   polyglot-ko-1.3b seq 512, in one call: ``autotune run --budget 200s`` (its
                              baseline is transformers' defaults, its expert-rule reference measured

@@ -57,6 +57,11 @@ def _wait_for(condition, timeout_s: float = 180.0, what: str = "") -> None:  # t
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def _finished_trial_line(line: str) -> bool:
+    """A trial's outcome line (not the line a log gets when a probe starts)."""
+    return line.startswith("trial") and " starts " not in line
+
+
 def _wait_for_second_probe(proc: subprocess.Popen[str], tmp_path: Path) -> list[str]:
     """Wait until the first trial finished and the next probe is running (its folder holds its spec)."""
     lines = []
@@ -64,9 +69,9 @@ def _wait_for_second_probe(proc: subprocess.Popen[str], tmp_path: Path) -> list[
     while time.monotonic() < deadline:
         line = proc.stdout.readline()  # type: ignore[union-attr]
         lines.append(line)
-        if line.startswith("trial") or not line:
+        if _finished_trial_line(line) or not line:
             break
-    assert any(line.startswith("trial") for line in lines), "".join(lines)
+    assert any(_finished_trial_line(line) for line in lines), "".join(lines)
     try:
         _wait_for(lambda: any((f / "spec.json").exists() for f in _probe_folders(tmp_path)) or proc.poll() is not None,
                   what="the second probe")
