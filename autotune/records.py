@@ -155,6 +155,9 @@ class ProbeResult:
     # What else used the device just before the probe (other GPU processes or utilisation, CPU load
     # above the core count): its figures may be noise (autotune.probe.interference). None: idle.
     interference: str | None = None
+    # The probe's process was killed from outside (SIGKILL: a person or the kernel's OOM killer; SIGTERM) or lost with
+    # the probe server that forked it: the outcome says nothing of the configuration, which is probed once more.
+    process_lost: bool = False
     # Input pipeline.
     input_wait_fraction: float | None = None  # share of the measured window spent waiting for batches
     input_bound: bool = False

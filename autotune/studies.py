@@ -354,8 +354,8 @@ def last_stop(settings: dict[str, Any]) -> str | None:
 HEARTBEAT_INTERVAL_S = 10.0  # a probing worker refreshes its trial's heartbeat this often
 HEARTBEAT_GRACE_S = 60.0  # a RUNNING trial with no heartbeat for this long has lost its worker
 CLAIM_SETTLE_S = 2.0  # the longest a claim waits for an older trial that is still being given its configuration
-_KILLED_PREFIXES = ("probe process killed by SIGKILL", "probe process killed by SIGTERM",  # autotune.probe.isolation
-                    "probe process lost with its probe server")
+# Results stored before ProbeResult.process_lost existed say it only in their error text (autotune.probe.isolation's).
+_KILLED_PREFIXES = ("probe process killed by SIGKILL", "probe process killed by SIGTERM")
 
 
 def read_trials(study: optuna.Study) -> list[FrozenTrial]:
@@ -467,9 +467,9 @@ def is_baseline(trial: optuna.Trial | FrozenTrial) -> bool:
 
 
 def killed(result: ProbeResult) -> bool:
-    """The probe crashed because its process was killed (SIGKILL: a person or the kernel's OOM killer;
-    SIGTERM): that says nothing yet about the configuration, so it is probed once more."""
-    return result.status is ProbeStatus.CRASH and (result.error or "").startswith(_KILLED_PREFIXES)
+    """The probe's process was killed from outside or lost with its server (:attr:`ProbeResult.process_lost`): that
+    says nothing yet about the configuration, so it is probed once more."""
+    return result.status is ProbeStatus.CRASH and (result.process_lost or (result.error or "").startswith(_KILLED_PREFIXES))
 
 
 def first_death(trials: Sequence[FrozenTrial], key: tuple[Any, ...] | None, number: int) -> bool:

@@ -249,7 +249,7 @@ def test_a_probe_whose_server_died_under_it_is_probed_once_more_not_blamed(monke
     problems = iter([None, "it died (killed?)"])  # fine when the probe started, dead when it ended
     monkeypatch.setattr(isolation, "server_problem", lambda: next(problems))
     result = isolation.run_isolated(_spec(), timeout_s=60)
-    assert result.status == "crash" and result.error.startswith(isolation.LOST_WITH_SERVER)
+    assert result.status == "crash" and result.error.startswith(isolation.LOST_WITH_SERVER) and result.process_lost
     assert studies.killed(result)  # what the loop retries once
 
 

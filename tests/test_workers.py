@@ -208,6 +208,7 @@ class KilledProbes(SleepingGPU):
         self.victim = self.victim or params
         if params == self.victim and self.calls.count(params) < self.kills:
             self.calls.append(params)
+            # As a study stored before ProbeResult.process_lost holds it: the error text alone says it was killed.
             return ProbeResult(status="crash", error="probe process killed by SIGKILL (the kernel's OOM killer?)\ntail", wall_s=1.0)
         return super().evaluate(params, timeout_s=timeout_s)
 

@@ -673,13 +673,14 @@ def run_isolated(
             except (json.JSONDecodeError, TypeError) as exc:
                 return ProbeResult(status=ProbeStatus.CRASH, error=f"unreadable probe result: {exc}", wall_s=wall_s)
             return result.replace(overhead_s=fixed_overhead_s(result))
+        lost = False
         if returncode == UNREPORTED_EXIT_CODE and isinstance(child, _ForkedChild) and server_problem() is not None:
-            reason = LOST_WITH_SERVER  # says nothing of the configuration: probed once more
+            reason, lost = LOST_WITH_SERVER, True
         elif returncode < 0:
             name = signal.Signals(-returncode).name
             hint = " (the kernel's OOM killer?)" if -returncode == signal.SIGKILL else ""
-            reason = f"probe process killed by {name}{hint}"
+            reason, lost = f"probe process killed by {name}{hint}", -returncode in (signal.SIGKILL, signal.SIGTERM)
         else:
             reason = f"probe process exited with code {returncode} without a result"
         tail = _tail(log_path)
-        return ProbeResult(status=ProbeStatus.CRASH, error=f"{reason}\n{tail}".strip(), wall_s=wall_s)
+        return ProbeResult(status=ProbeStatus.CRASH, error=f"{reason}\n{tail}".strip(), wall_s=wall_s, process_lost=lost)
