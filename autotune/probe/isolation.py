@@ -285,20 +285,31 @@ def start_server() -> bool:
     return check_server().clean
 
 
+def _server_pid() -> int | None:
+    """The probe server's process id, once multiprocessing has started it."""
+    from multiprocessing import forkserver
+
+    return getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+
+
+def _process_state(pid: int) -> str | None:
+    """The state letter ``/proc`` gives process ``pid`` (``R``, ``S``, ``T`` stopped, ``Z`` a zombie...), ``"gone"``
+    where it has no entry, or None where ``/proc`` cannot tell (another system, an unreadable entry)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text(encoding="ascii").rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "gone" if Path("/proc/self/stat").exists() else None
+    except (OSError, IndexError):
+        return None
+
+
 def server_problem() -> str | None:
     """Why the running probe server cannot fork a probe now (stopped, or gone), or None: it can, or it has not
     started (then the next fork starts it). Read from ``/proc``; elsewhere nothing is known, so None."""
-    from multiprocessing import forkserver
-
-    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
-    if pid is None:
-        return None
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text(encoding="ascii").rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return "it is gone (killed?)" if Path("/proc/self/stat").exists() else None
-    except (OSError, IndexError):
-        return None
+    pid = _server_pid()
+    state = _process_state(pid) if pid is not None else None
+    if state == "gone":
+        return "it is gone (killed?)"
     if state in ("T", "t"):
         return "it is stopped (SIGSTOP?)"
     if state in ("Z", "X"):
@@ -348,13 +359,11 @@ def _start_watched(process: Any, limit_s: float) -> None:
 def abandon_server(reason: str) -> None:
     """Never fork from the probe server again in this process: every later probe starts cold (one warning).
     A stopped server is killed, so that it does not outlive the run."""
-    from multiprocessing import forkserver
-
     global _server_check
     _server_check = ServerCheck(False, reason)
     _log.warning("autotune: the probe server stopped working (%s): every later probe starts cold instead "
                  "(a few seconds more per probe, same measurements)", reason)
-    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    pid = _server_pid()
     if pid is not None:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
@@ -419,13 +428,7 @@ LOST_WITH_SERVER = "probe process lost with its probe server (stopped or killed 
 
 def _running(pid: int) -> bool:
     """Whether process ``pid`` runs (not ended, not a zombie waiting for its parent); True where /proc cannot tell."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text(encoding="ascii").rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return not Path("/proc/self/stat").exists()
-    except (OSError, IndexError):
-        return True
-    return state not in ("Z", "X")
+    return _process_state(pid) not in ("gone", "Z", "X")
 
 
 def _launch(

@@ -430,6 +430,7 @@ def run_search(
             if remaining_s - reserve_s < max(settings.min_probe_s, typical_s):
                 outcome.stopped_because = "budget"
                 break
+            available_s = remaining_s - reserve_s if deadline_s is not None else None  # for one probe (None: no budget)
             # The strategy plans with the whole time left: a near-tie found mid-run is usually overtaken
             # by a faster configuration, and shrinking the plan for it cost the frontier strategy a probe
             # in bench.search. The reserve is enforced here, when deciding whether to explore at all,
@@ -452,7 +453,7 @@ def run_search(
                 proposal, role = expert, studies.ROLE_EXPERT
                 retry_of = next((t.number for t in retry if studies.config_key(t) == expert.key()), None)
             elif (expert is not None and (neighbour := _expert_neighbour(space, expert, synced, state, settings)) is not None
-                  and _can_finish(neighbour, synced, remaining_s - reserve_s if deadline_s is not None else None)):
+                  and _can_finish(neighbour, synced, available_s)):
                 proposal = neighbour
             elif retry:
                 proposal, retry_of = TrialParams.from_dict(retry[0].user_attrs[studies.ATTR_PARAMS]), retry[0].number
@@ -502,7 +503,6 @@ def run_search(
                     consecutive_prunes += 1
                     continue
                 consecutive_prunes = 0
-                available_s = remaining_s - reserve_s if deadline_s is not None else None
                 if proposal is None and not _can_finish(params, synced, available_s):
                     # The sampler's pick, where the strategy proposed nothing: a probe like it would not finish.
                     studies.release_unstarted(study, trial, f"not started: probes like it took longer than the {available_s:.0f} s left")
