@@ -718,19 +718,15 @@ def phase_side_by_side(ctx: Context) -> PhaseOutput:
     check: dict[str, Any] = {"status": "not run"}
     best_row = rows["autotune"]
     if best_params is not None and best_row.get("samples_per_s"):
-        request = {"mode": "timed", "config": dict(model.config), "seq_len": plan.sbs_seq_len,
-                   "training_arguments": best_params.training_arguments_kwargs(), "attn_implementation": best_params.attn_implementation,
-                   "effective_batch_size": best_params.effective_batch_size, "warmup_steps": evaluator.warmup_steps,
-                   "measure_steps": max(plan.timed_measure_steps, int(best_row.get("measured_steps") or 0))}
+        request = timed_request(model, best_params, evaluator.warmup_steps,
+                                max(plan.timed_measure_steps, int(best_row.get("measured_steps") or 0)))
         check = _trainer_run(ctx, model, plan.sbs_seq_len, request, log_name="trainer_timed.log")
         if check.get("status") == "ok":
             check["ratio"] = check["samples_per_s"] / best_row["samples_per_s"]
             check["within_tolerance"] = abs(check["ratio"] - 1) <= RATIO_TOLERANCE
 
     # HF auto_find_batch_size as users run it, under the run's ceiling; what it settled on, probed like the rest.
-    found = _trainer_run(ctx, model, plan.sbs_seq_len, {"mode": "auto_find", "start_batch": plan.auto_find_start,
-                                                        "steps": plan.auto_find_steps, "memory_ceiling_bytes": ceiling},
-                         log_name="trainer_auto_find.log")
+    found = _trainer_run(ctx, model, plan.sbs_seq_len, auto_find_request(plan, ceiling), log_name="trainer_auto_find.log")
     auto_find = {k: found.get(k) for k in ("status", "tried_batches", "steps_run", "train_s", "peak_allocated_bytes",
                                            "peak_reserved_bytes", "error")}
     if found.get("status") == "ok" and found.get("batch_size"):
@@ -946,6 +942,19 @@ def _side_by_side_verdict(ctx: Context, data: dict[str, Any], check: dict[str, A
     return output("ok", f"autotune {share:.3f} of the fastest row; plain Trainer / probe = {check['ratio']:.3f}", data, markdown)
 
 
+def timed_request(model: ModelSpec, params: TrialParams, warmup_steps: int, measure_steps: int) -> dict[str, Any]:
+    """A :mod:`bench.gpu_trainer` ``timed`` request: ``params`` trained by a plain Trainer with the ``TrainingArguments``
+    autotune exports for it, the model from its config."""
+    return {"mode": "timed", "config": dict(model.config), "training_arguments": params.training_arguments_kwargs(),
+            "attn_implementation": params.attn_implementation, "effective_batch_size": params.effective_batch_size,
+            "warmup_steps": warmup_steps, "measure_steps": measure_steps}
+
+
+def auto_find_request(plan: Plan, ceiling_bytes: int | None) -> dict[str, Any]:
+    """A :mod:`bench.gpu_trainer` ``auto_find`` request: HF ``auto_find_batch_size`` from the plan's batch, under the ceiling."""
+    return {"mode": "auto_find", "start_batch": plan.auto_find_start, "steps": plan.auto_find_steps, "memory_ceiling_bytes": ceiling_bytes}
+
+
 def _trainer_run(ctx: Context, model: ModelSpec, seq_len: int, request: dict[str, Any], *, log_name: str) -> dict[str, Any]:
     """A :mod:`bench.gpu_trainer` request in a process of its own: forked from autotune's probe server
     (torch already imported), or a new interpreter where that server is not usable. Its log is kept as
@@ -1141,17 +1150,13 @@ def phase_landscape(ctx: Context) -> PhaseOutput:
     ceiling = _landscape_ceiling(ctx, model)
     identity = {"model": model.name, "seq_len": plan.land_seq_len, "device": ctx.device.name, "ceiling_bytes": ceiling, "quick": plan.quick}
     rows_path = ctx.out / "landscape_rows.jsonl"
-    done: dict[tuple[Any, ...], dict[str, Any]] = {}
-    if rows_path.exists():  # resume: a previous run's rows of the same landscape are kept
-        for line in rows_path.read_text(encoding="utf-8").splitlines():
-            row = json.loads(line)
-            if all(row.get(k) == v for k, v in identity.items()) and not row.get("repeat_of_row"):
-                done[TrialParams.from_dict(row).key()] = row
+    earlier = _read_rows(rows_path, identity)  # resume: a previous run's rows of the same landscape are kept
+    done = {TrialParams.from_dict(r).key(): r for r in earlier if not r.get("repeat_of_row")}
+    repeats = [r for r in earlier if r.get("repeat_of_row")]
     resumed = len(done)
     # The run's probe protocol (warm-up, then measured until stable or the time cap): a replay row carries the
     # speed, its confidence interval and the loader's wait as a live search sees them.
     evaluator = ctx.evaluator(model, plan.land_seq_len, ceiling=ceiling)
-    repeats = [r for r in _read_rows(rows_path, identity) if r.get("repeat_of_row")]
     ctx.log(f"{len(configs)} configurations, {resumed} already probed, ceiling {format_bytes(ceiling)}")
     new_rows = 0
     with rows_path.open("a", encoding="utf-8") as sink:

@@ -37,18 +37,14 @@ def main(argv: list[str] | None = None) -> int:
     ctx = gpu_phases.Context(name="recheck", out=args.out, device=device, plan=plan, box_s=560, slug="gpu")
     model = resolve_model(plan.sbs_model)
     started = time.monotonic()
-    found = gpu_phases._trainer_run(ctx, model, plan.sbs_seq_len, {"mode": "auto_find", "start_batch": plan.auto_find_start,
-                                                                   "steps": plan.auto_find_steps, "memory_ceiling_bytes": args.ceiling_bytes},
+    found = gpu_phases._trainer_run(ctx, model, plan.sbs_seq_len, gpu_phases.auto_find_request(plan, args.ceiling_bytes),
                                     log_name="trainer_auto_find.log")
     params = TrialParams(per_device_train_batch_size=args.batch, precision="bf16", optim="adamw_torch_fused", attn_implementation="sdpa",
                          torch_compile="inductor")
     evaluator = ctx.evaluator(model, plan.sbs_seq_len, ceiling=args.ceiling_bytes)
     result = ctx.probe(evaluator, params)
     probe = gpu_phases.probe_row(params, result)
-    request = {"mode": "timed", "config": dict(model.config), "seq_len": plan.sbs_seq_len,
-               "training_arguments": params.training_arguments_kwargs(), "attn_implementation": params.attn_implementation,
-               "effective_batch_size": params.effective_batch_size, "warmup_steps": evaluator.warmup_steps,
-               "measure_steps": max(plan.timed_measure_steps, probe.get("measured_steps") or 0)}
+    request = gpu_phases.timed_request(model, params, evaluator.warmup_steps, max(plan.timed_measure_steps, probe.get("measured_steps") or 0))
     timed = gpu_phases._trainer_run(ctx, model, plan.sbs_seq_len, request, log_name="trainer_timed.log")
     if timed.get("status") == "ok" and probe.get("samples_per_s"):
         timed["ratio"] = timed["samples_per_s"] / probe["samples_per_s"]
