@@ -79,33 +79,42 @@ _FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 def storage_errors(storage: Any, *, during_run: bool = False) -> Iterator[None]:
     """Turn an unusable storage, an unreachable server or a damaged file met while Optuna works into a
     one-line :class:`UsageError` (most are caught before, by :func:`autotune.storage.check`); ``during_run``:
-    into :class:`StorageFailed`, whatever the storage raised (the run stops, what it stored is kept)."""
+    into :class:`StorageFailed` (the run stops, what it stored is kept), for the storage's own errors only."""
     shown = storage_lib.describe(storage)
-    if during_run:
-        try:
-            with storage_errors(storage):
-                yield
-        except (UsageError, OSError, sqlite3.Error) as exc:  # a journal file removed or read-only is an OSError
-            text = str(exc) if isinstance(exc, UsageError) else f"{type(exc).__name__}: {_first_line(exc)}"
-            cause = text.split(" (", 1)[1].rsplit("): ", 1)[0] if isinstance(exc, UsageError) and " (" in text else text
+    try:
+        yield
+    except Exception as exc:
+        found = _storage_failure(exc, during_run=during_run)
+        if found is None:
+            raise
+        kind, cause = found
+        if during_run:
             raise StorageFailed(f"the storage {shown!r} failed during the run ({cause}): the trials it stored before are kept; "
                                 "fix it (a writable file and folder, free disk, the server running) and run the same command "
                                 "to resume") from None
-        return
-    try:
-        yield
-    except (ValueError, ImportError) as exc:  # a damaged journal line is a UnicodeDecodeError or JSONDecodeError
-        raise UsageError(f"cannot open storage {shown!r} ({_first_line(exc)}): use e.g. {storage_lib.EXAMPLES}") from None
-    except optuna.exceptions.StorageInternalError as exc:  # a commit failed: a read-only database, a full disk
-        cause = _first_line(exc.__cause__) if exc.__cause__ is not None else _first_line(exc)
-        raise UsageError(f"cannot write to storage {shown!r} ({cause}): check that its file and folder are writable") from None
-    except Exception as exc:  # sqlalchemy raises its own tree for bad URLs, unreachable servers and damaged files
-        if type(exc).__module__.startswith("sqlalchemy"):
-            raise UsageError(
-                f"cannot open storage {shown!r} ({type(exc).__name__}: {_first_line(getattr(exc, 'orig', None) or exc)}): "
-                "check that the server is running and the host, port, user and database in the URL, or use e.g. " + DEFAULT_STORAGE
-            ) from None
-        raise
+        if kind == "open":
+            raise UsageError(f"cannot open storage {shown!r} ({cause}): use e.g. {storage_lib.EXAMPLES}") from None
+        if kind == "write":
+            raise UsageError(f"cannot write to storage {shown!r} ({cause}): check that its file and folder are writable") from None
+        raise UsageError(f"cannot open storage {shown!r} ({cause}): check that the server is running and the host, port, user "
+                         "and database in the URL, or use e.g. " + DEFAULT_STORAGE) from None
+
+
+def _storage_failure(exc: BaseException, *, during_run: bool) -> tuple[str, str] | None:
+    """What kind of storage failure ``exc`` is (``open``, ``write``, ``server``) and its cause in one line; None when
+    it is not the storage's. Opening, a ValueError or ImportError is a bad URL or a damaged journal line; during a run
+    only a damaged journal line is (another ValueError is a bug to show), and so are the files' OSError and sqlite3's."""
+    if isinstance(exc, optuna.exceptions.StorageInternalError):  # a commit failed: a read-only database, a full disk
+        return "write", _first_line(exc.__cause__) if exc.__cause__ is not None else _first_line(exc)
+    if type(exc).__module__.startswith("sqlalchemy"):  # its own tree for bad URLs, unreachable servers, damaged files
+        return "server", f"{type(exc).__name__}: {_first_line(getattr(exc, 'orig', None) or exc)}"
+    if during_run:
+        if isinstance(exc, (json.JSONDecodeError, UnicodeDecodeError, OSError, sqlite3.Error)):  # a journal file removed...
+            return "open", f"{type(exc).__name__}: {_first_line(exc)}"
+        return None
+    if isinstance(exc, (ValueError, ImportError)):  # a damaged journal line is a UnicodeDecodeError or JSONDecodeError
+        return "open", _first_line(exc)
+    return None
 
 
 def _first_line(exc: BaseException) -> str:
@@ -759,16 +768,14 @@ def record_death(study: optuna.Study, trial: optuna.Trial, params: TrialParams, 
 def fail_interrupted(study: optuna.Study, trial: optuna.Trial) -> None:
     """Fail a trial whose probe was interrupted (Ctrl-C); not reusable."""
     try:
-        trial.set_user_attr(ATTR_REASON, "interrupted by the user")
-        trial.set_user_attr(ATTR_REUSABLE, False)
-        study.tell(trial, state=TrialState.FAIL)
+        release_unstarted(study, trial, "interrupted by the user")
     except (RuntimeError, ValueError):  # already told: the interrupt came after its outcome was stored
         pass
 
 
 def release_unstarted(study: optuna.Study, trial: optuna.Trial, reason: str) -> None:
-    """Fail a claimed trial that is not started after all (it could not finish in the time left); not reusable,
-    so a later run with more time asks it again."""
+    """Fail a claimed trial whose probe did not run to an outcome (interrupted, or not started: it could not finish in
+    the time left); not reusable, so a later run asks it again."""
     trial.set_user_attr(ATTR_REASON, reason)
     trial.set_user_attr(ATTR_REUSABLE, False)
     study.tell(trial, state=TrialState.FAIL)
