@@ -88,7 +88,8 @@ def calibration(draws: list[int], budget_s: float, out: Any = None) -> dict[str,
 
     import numpy as np
 
-    from autotune.search.strategies.bayes import BayesStrategy
+    from autotune.search.strategies.bayes import throughput
+    from autotune.search.strategies.bayes.strategy import BayesStrategy
     from bench.family import FamilyEvaluator
     from bench.search import _landscape, family_search
 
@@ -100,10 +101,19 @@ def calibration(draws: list[int], budget_s: float, out: Any = None) -> dict[str,
 
         model: Any = None
 
-        def _throughput(self, context: Any, ran: Any, pending: Any = ()) -> Any:
-            mean, sd, cap = super()._throughput(context, ran, pending)
-            self.model = (context.grid, mean, sd)
-            return mean, sd, cap
+        def propose(self, state: Any) -> Any:
+            posterior = throughput.posterior
+
+            def recorded(context: Any, ran: Any, pending: Any = ()) -> Any:
+                mean, sd, cap = posterior(context, ran, pending)
+                self.model = (context.grid, mean, sd)
+                return mean, sd, cap
+
+            throughput.posterior = recorded
+            try:
+                return super().propose(state)
+            finally:
+                throughput.posterior = posterior
 
     @dataclass
     class Scoring(FamilyEvaluator):

@@ -10,7 +10,11 @@ from autotune.params import TrialParams
 from autotune.records import Probe, ProbeResult
 from autotune.search.memory import MemoryModel
 from autotune.search.strategies.base import SearchState
-from autotune.search.strategies.bayes import POLISH_PROBES, POLISH_SHARE, BayesStrategy, MemoryEvidence
+from autotune.search.strategies.bayes import polish, questions, throughput
+from autotune.search.strategies.bayes.cost import probe_costs
+from autotune.search.strategies.bayes.groups import MemoryEvidence
+from autotune.search.strategies.bayes.polish import POLISH_PROBES, POLISH_SHARE
+from autotune.search.strategies.bayes.strategy import BayesStrategy
 from autotune.space import SearchSpace, parse_space
 from tests.conftest import GiB
 
@@ -65,11 +69,11 @@ def test_no_comparison_where_the_other_group_amortises_its_step_as_well_or_was_c
                 _ok(2, 70.0, precision="bf16", per_device_train_batch_size=4, gradient_accumulation_steps=8)]
     strategy = BayesStrategy()
     state = _state(compared, 1800.0)
-    context = strategy._get_context(state)
+    context = strategy.context(state)
     allowed = np.ones(context.grid.shape, dtype=bool)
     allowed.reshape(-1)[[context.grid.flat_index(p.params) for p in compared]] = False
     evidence = MemoryEvidence.of(context.groups, context.grid, compared, state.ceiling_bytes)
-    assert strategy._comparison(context, state, state.feasible(), allowed, evidence, compared) is None
+    assert questions.comparison(context, state, state.feasible(), allowed, evidence, compared) is None
 
 
 def test_a_group_with_no_fit_yet_is_compared_at_a_batch_likely_to_fit() -> None:
@@ -100,29 +104,29 @@ def test_the_time_left_for_polishing_goes_to_the_most_valuable_variant_of_the_in
     assert proposal.per_device_train_batch_size == 32 and proposal.precision == "bf16"
 
 
-def test_the_polishing_reserve_is_at_most_a_share_of_the_budget() -> None:
+def test_the_polishing_reserve_is_at_most_a_share_of_the_budget(monkeypatch) -> None:
     history = [_ok(0, 50.0), _ok(1, 100.0, precision="bf16", per_device_train_batch_size=32),
                _ok(2, 120.0, wall_s=400.0, precision="bf16", per_device_train_batch_size=32, torch_compile="inductor")]
     for budget in (300.0, 1800.0, 7200.0):
         strategy = BayesStrategy()
         state = _state(history, budget, checkpointing=False)
         strategy.propose(state)
-        context = strategy._get_context(state)
-        mean, sd, cap = strategy._throughput(context, list(history))
+        context = strategy.context(state)
+        mean, sd, cap = throughput.posterior(context, list(history))
         p_ok = np.ones(context.grid.shape)
-        cost_ok, _ = strategy._costs(context, list(history), mean)
+        cost_ok, _ = probe_costs(context, list(history), mean)
         allowed = np.ones(context.grid.shape, dtype=bool)
         evidence = MemoryEvidence.of(context.groups, context.grid, history, state.ceiling_bytes)
         picks: list[int] = []
-        models_pick = strategy._models_pick
+        models_pick = polish.models_pick
 
         def recording(*args, picks=picks, models_pick=models_pick, **kwargs):
             pick = models_pick(*args, **kwargs)
             picks.extend([pick[1]] if pick is not None else [])
             return pick
 
-        strategy._models_pick = recording  # type: ignore[method-assign]
-        reserve, keep, order = strategy._polish_reserve(context, state, state.feasible(), (mean, sd, cap), p_ok, cost_ok, allowed, evidence)
+        monkeypatch.setattr(polish, "models_pick", recording)
+        reserve, keep, order = polish.polish_reserve(context, state, state.feasible(), (mean, sd, cap), p_ok, cost_ok, allowed, evidence, budget)
         assert reserve <= POLISH_SHARE * budget + 1e-6
         assert len(order) == int(keep.sum()) <= POLISH_PROBES
         for index in order:  # a variant of a measured configuration in compile mode or accumulation only, or the model's pick
@@ -152,13 +156,13 @@ def test_polishing_keeps_time_for_the_models_pick_that_combines_factors_measured
     strategy = BayesStrategy()
     strategy.propose(SearchState(space, 40 * GiB, memory, history, {p.params.key() for p in history}, 1800.0))  # the run's budget
     state = SearchState(space, 40 * GiB, memory, history, {p.params.key() for p in history}, 1200.0)
-    context = strategy._get_context(state)
-    model = strategy._throughput(context, list(history))
-    cost_ok, _ = strategy._costs(context, list(history), model[0])
+    context = strategy.context(state)
+    model = throughput.posterior(context, list(history))
+    cost_ok, _ = probe_costs(context, list(history), model[0])
     allowed = np.ones(context.grid.shape, dtype=bool)
     allowed.reshape(-1)[[context.grid.flat_index(p.params) for p in history]] = False
     evidence = MemoryEvidence.of(context.groups, context.grid, history, state.ceiling_bytes)
-    reserve, _, order = strategy._polish_reserve(context, state, state.feasible(), model, np.ones(context.grid.shape), cost_ok, allowed, evidence)
+    reserve, _, order = polish.polish_reserve(context, state, state.feasible(), model, np.ones(context.grid.shape), cost_ok, allowed, evidence, 1800.0)
     assert reserve > 0 and [context.grid.params_at(i).short() for i in order] == ["bs32x1 fp16 adamw_torch_fused sdpa compile=inductor"]
     late = SearchState(space, 40 * GiB, memory, history, {p.params.key() for p in history}, reserve)
     proposal = strategy.propose(late)  # only the kept time is left: it goes to the pick
@@ -167,15 +171,15 @@ def test_polishing_keeps_time_for_the_models_pick_that_combines_factors_measured
 
 def _polish_inputs(space: SearchSpace, history: list[Probe], memory: MemoryModel, ceiling_bytes: int = 40 * GiB):
     """A strategy that proposed once with 1800 s left (the run's budget), and what its
-    ``_polish_reserve`` takes: state, context, model, costs, what is allowed (all but the measured),
+    ``polish_reserve`` takes: state, context, model, costs, what is allowed (all but the measured),
     the memory evidence."""
     strategy = BayesStrategy()
     state = SearchState(space, ceiling_bytes, memory, history, {p.params.key() for p in history}, 1800.0)
     strategy.propose(state)
-    context = strategy._get_context(state)
+    context = strategy.context(state)
     grid = context.grid
-    model = strategy._throughput(context, list(history))
-    cost_ok, _ = strategy._costs(context, list(history), model[0])
+    model = throughput.posterior(context, list(history))
+    cost_ok, _ = probe_costs(context, list(history), model[0])
     allowed = np.ones(grid.shape, dtype=bool)
     allowed.reshape(-1)[[grid.flat_index(p.params) for p in history]] = False
     evidence = MemoryEvidence.of(context.groups, grid, history, state.ceiling_bytes)
@@ -190,9 +194,9 @@ def test_the_models_pick_for_polishing_counts_the_chance_that_it_runs() -> None:
     strategy, state, context, model, cost_ok, allowed, evidence = _polish_inputs(*_measured_apart())
     grid = context.grid
     p_ok = np.array([1e-4 if grid.params_at(i).precision == "fp16" else 1.0 for i in range(grid.size)]).reshape(grid.shape)
-    _, _, order = strategy._polish_reserve(context, state, state.feasible(), model, p_ok, cost_ok, allowed, evidence)
+    _, _, order = polish.polish_reserve(context, state, state.feasible(), model, p_ok, cost_ok, allowed, evidence, 1800.0)
     assert order and all(grid.params_at(i).precision == "bf16" for i in order)
-    _, _, trusting = strategy._polish_reserve(context, state, state.feasible(), model, np.ones(grid.shape), cost_ok, allowed, evidence)
+    _, _, trusting = polish.polish_reserve(context, state, state.feasible(), model, np.ones(grid.shape), cost_ok, allowed, evidence, 1800.0)
     assert any(grid.params_at(i).precision == "fp16" for i in trusting)  # where fp16 runs, it is the pick
 
 
@@ -212,14 +216,14 @@ def test_the_models_pick_may_be_one_no_probe_showed_to_fit_weighed_by_its_chance
     strategy, state, context, model, cost_ok, allowed, evidence = _polish_inputs(space, history, memory)
     grid = context.grid
     flash_compiled = grid.flat_index(history[1].params.replace(torch_compile="inductor"))
-    assert not strategy._batch_grid(context, evidence.known_fit).reshape(-1)[flash_compiled]
-    _, _, order = strategy._polish_reserve(context, state, state.feasible(), model, np.ones(grid.shape), cost_ok, allowed, evidence)
+    assert not context.batch_grid(evidence.known_fit).reshape(-1)[flash_compiled]
+    _, _, order = polish.polish_reserve(context, state, state.feasible(), model, np.ones(grid.shape), cost_ok, allowed, evidence, 1800.0)
     assert order and order[0] == flash_compiled
     worth = np.zeros(grid.size)
     worth[flash_compiled] = 0.01
-    assert strategy._models_pick(context, state, evidence, worth) == (0.01, flash_compiled)  # 5 GiB measured alike, under 40 GiB: it fits
+    assert polish.models_pick(context, state, evidence, worth) == (0.01, flash_compiled)  # 5 GiB measured alike, under 40 GiB: it fits
     tight = SearchState(space, int(5.2 * GiB), memory, history, state.seen, 1800.0)  # the measured bs32 peaked at 5 GiB
-    value, index = strategy._models_pick(context, tight, evidence, worth)
+    value, index = polish.models_pick(context, tight, evidence, worth)
     assert index == flash_compiled and 0.0 < value < 0.01  # not known to fit: its chance to fit counts
 
 
@@ -237,9 +241,9 @@ def _compile_cost(history: list[Probe], space: dict | None = None, **values) -> 
     state = _state(history, 3600.0)
     if space is not None:
         state = SearchState(parse_space(space), state.ceiling_bytes, state.memory, history, state.seen, 3600.0)
-    context = strategy._get_context(state)
-    mean, _, _ = strategy._throughput(context, [p for p in history if p.result.ok])
-    cost_ok, _ = strategy._costs(context, history, mean)
+    context = strategy.context(state)
+    mean, _, _ = throughput.posterior(context, [p for p in history if p.result.ok])
+    cost_ok, _ = probe_costs(context, history, mean)
     return float(cost_ok.reshape(-1)[context.grid.flat_index(state.space.complete(dict(torch_compile="inductor", precision="bf16", **values)))])
 
 
@@ -283,12 +287,12 @@ def test_the_time_kept_for_near_ties_is_left_by_exploring_probes_not_by_polishin
     def polishing(state: SearchState) -> tuple[TrialParams | None, bool]:
         strategy = BayesStrategy()
         proposal = strategy.propose(state)
-        context = strategy._get_context(state)
-        mean, sd, cap = strategy._throughput(context, list(history))
-        cost_ok, _ = strategy._costs(context, list(history), mean)
+        context = strategy.context(state)
+        mean, sd, cap = throughput.posterior(context, list(history))
+        cost_ok, _ = probe_costs(context, list(history), mean)
         allowed = np.ones(context.grid.shape, dtype=bool)
         evidence = MemoryEvidence.of(context.groups, context.grid, history, state.ceiling_bytes)
-        _, keep, _ = strategy._polish_reserve(context, state, state.feasible(), (mean, sd, cap), np.ones(context.grid.shape), cost_ok, allowed, evidence)
+        _, keep, _ = polish.polish_reserve(context, state, state.feasible(), (mean, sd, cap), np.ones(context.grid.shape), cost_ok, allowed, evidence, 3600.0)
         index = context.grid.flat_index(proposal) if proposal is not None else None
         return proposal, index is not None and bool(np.broadcast_to(keep, context.grid.shape).reshape(-1)[index])
 
@@ -299,7 +303,7 @@ def test_the_time_kept_for_near_ties_is_left_by_exploring_probes_not_by_polishin
     assert proposal is not None and polishes
 
 
-def test_no_two_polishing_probes_ask_the_same_question_with_another_loader_worker_count() -> None:
+def test_no_two_polishing_probes_ask_the_same_question_with_another_loader_worker_count(monkeypatch) -> None:
     # The model's pick (worth most) is the incumbent's accumulation variant with another loader
     # worker count: one question twice. It keeps its time once, and the compile mode's variant
     # keeps its own.
@@ -314,8 +318,8 @@ def test_no_two_polishing_probes_ask_the_same_question_with_another_loader_worke
     grid = context.grid
     accumulating = history[1].params.replace(gradient_accumulation_steps=4)
     twin = grid.flat_index(accumulating.replace(dataloader_num_workers=4))
-    strategy._models_pick = lambda *args, **kwargs: (1.0, twin)  # type: ignore[method-assign]
-    _, _, order = strategy._polish_reserve(context, state, state.feasible(), model, np.ones(grid.shape), cost_ok, allowed, evidence)
+    monkeypatch.setattr(polish, "models_pick", lambda *args, **kwargs: (1.0, twin))
+    _, _, order = polish.polish_reserve(context, state, state.feasible(), model, np.ones(grid.shape), cost_ok, allowed, evidence, 1800.0)
     questions = [grid.params_at(i).replace(dataloader_num_workers=0) for i in order]
     assert len(questions) == len(set(questions))
     assert order[0] == twin and grid.flat_index(accumulating) not in order

@@ -6,6 +6,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
 import numpy as np
 import optuna
@@ -20,7 +22,10 @@ from autotune.search.loop import SearchSettings, VirtualClock, ranked_configurat
 from autotune.search.memory import MemoryModel
 from autotune.search.replay import ReplayEvaluator, load_table, replay_search
 from autotune.search.strategies.base import SearchState, SeenKeys, Strategy
-from autotune.search.strategies.bayes import BayesStrategy, MemoryEvidence
+from autotune.search.strategies.bayes import fit, questions, throughput
+from autotune.search.strategies.bayes import strategy as bayes_strategy
+from autotune.search.strategies.bayes.groups import MemoryEvidence
+from autotune.search.strategies.bayes.strategy import BayesStrategy, pending_probes
 from autotune.search.strategies.failures import COMPILED, CRASH, DIVERGENCE, FailureModel
 from autotune.search.strategies.frontier import FrontierStrategy
 from autotune.search.strategies.registry import DEFAULT_STRATEGY, STRATEGIES, make_strategy
@@ -309,9 +314,9 @@ def test_bayes_counts_accumulation_as_needing_no_less_memory() -> None:
     assert strategy.prune(oom.replace(gradient_accumulation_steps=1, per_device_train_batch_size=64), state) is not None
     assert strategy.prune(oom.replace(gradient_accumulation_steps=1), state) is None
     assert state.memory.prune_reason(oom.replace(gradient_accumulation_steps=1), state.ceiling_bytes) is None  # the memory model's rule too
-    context = strategy._get_context(state)
+    context = strategy.context(state)
     evidence = MemoryEvidence.of(context.groups, context.grid, history, state.ceiling_bytes)
-    known = strategy._batch_grid(context, evidence.known_fit)
+    known = context.batch_grid(evidence.known_fit)
 
     def known_fit(**values) -> bool:
         return bool(known.reshape(-1)[context.grid.flat_index(TrialParams(**values))])
@@ -389,8 +394,8 @@ def _loader_bound_model(workers: tuple[int, ...]) -> tuple[BayesStrategy, Search
     memory.observe_all((p.params, p.result) for p in history)
     state = SearchState(parse_space(_LOADER_SPACE), 40 * GiB, memory, history, {p.params.key() for p in history}, remaining_s=3600.0)
     strategy = BayesStrategy()
-    context = strategy._get_context(state)
-    mean, _, _ = strategy._throughput(context, history)
+    context = strategy.context(state)
+    mean, _, _ = throughput.posterior(context, history)
     flat = np.broadcast_to(mean, context.grid.shape).reshape(-1)
 
     def predicted(count: int) -> float:
@@ -431,8 +436,8 @@ def test_bayes_learns_main_process_loading_from_throughput_where_probes_report_n
     memory.observe_all((p.params, p.result) for p in history)
     state = SearchState(space, 40 * GiB, memory, history, {p.params.key() for p in history}, remaining_s=3600.0)
     strategy = BayesStrategy()
-    context = strategy._get_context(state)
-    mean, _, _ = strategy._throughput(context, history)
+    context = strategy.context(state)
+    mean, _, _ = throughput.posterior(context, history)
     flat = np.broadcast_to(mean, context.grid.shape).reshape(-1)
     at_64 = float(np.exp(flat[context.grid.flat_index(TrialParams(precision="bf16", per_device_train_batch_size=64, dataloader_num_workers=2))]))
     assert at_64 > 60.0
@@ -453,9 +458,9 @@ def test_bayes_trusts_a_memory_prediction_more_where_the_groups_activation_facto
     def p_fit(params: TrialParams) -> float:
         ceiling = int(memory.predict(params) / 0.94)
         state = SearchState(space, ceiling, memory, history, {p.params.key() for p in history}, remaining_s=3600.0)
-        context = strategy._get_context(state)
+        context = strategy.context(state)
         evidence = MemoryEvidence.of(context.groups, context.grid, history, ceiling)
-        row = strategy._p_fit_row(context, state, evidence, context.groups.index(params, context.grid))
+        row = fit.p_fit_row(context, state, evidence, context.groups.index(params, context.grid))
         return float(row[context.grid.values["per_device_train_batch_size"].index(params.per_device_train_batch_size)])
 
     alike = TrialParams(precision="bf16", optim="adafactor", per_device_train_batch_size=32)
@@ -509,11 +514,21 @@ def _parallel_state(history: list[Probe], in_flight: set, ceiling_bytes: int = 4
                        SeenKeys({p.params.key() for p in history}, in_flight), remaining_s=3600.0)
 
 
+def _stubbed(strategy: BayesStrategy, module: Any, name: str) -> BayesStrategy:
+    """``strategy`` with the function ``module.name`` answering nothing during its proposals."""
+    propose = strategy.propose
+
+    def stubbed_propose(state: SearchState) -> TrialParams | None:
+        with mock.patch.object(module, name, lambda *args, **kwargs: [] if name == "pending_probes" else None):
+            return propose(state)
+
+    strategy.propose = stubbed_propose  # type: ignore[method-assign]
+    return strategy
+
+
 def _without_pending() -> BayesStrategy:
     """bayes as it was before it counted probes in flight: they were only excluded."""
-    strategy = BayesStrategy()
-    strategy._pending = lambda *args, **kwargs: []  # type: ignore[method-assign]
-    return strategy
+    return _stubbed(BayesStrategy(), bayes_strategy, "pending_probes")
 
 
 def test_bayes_with_nothing_in_flight_proposes_as_a_lone_worker() -> None:
@@ -529,13 +544,12 @@ def test_bayes_asks_another_question_than_a_probe_in_flight() -> None:
     # expected improvement, and the next proposal changes something else. Only excluded (before),
     # the next proposal was the same probe with another loader worker count. fp16, never measured,
     # is a question worth asking (without it, a calibrated model knows every other change loses);
-    # the rule that asks it outright (_precision_sibling) is off here: the model's scores are tested.
+    # the rule that asks it outright (questions.precision_sibling) is off here: the model's scores are tested.
     space = {**_PARALLEL_SPACE, "precision": ["fp32", "bf16", "fp16"]}
     history = [_measured(0, 50.0, 2**27), _measured(1, 90.0, 2**27, precision="bf16", per_device_train_batch_size=16)]
 
     def scored_only(strategy: BayesStrategy) -> BayesStrategy:
-        strategy._precision_sibling = lambda *args, **kwargs: None  # type: ignore[method-assign]
-        return strategy
+        return _stubbed(strategy, questions, "precision_sibling")
 
     first = scored_only(BayesStrategy()).propose(_parallel_state(history, set(), space=space))
     assert first is not None
@@ -560,9 +574,9 @@ def test_bayes_counts_a_probe_in_flight_that_likely_overflows_as_out_of_memory()
     assert first is not None and first.per_device_train_batch_size == 32
     state = _parallel_state(history, {first.key()}, 32 * GiB)
     strategy = BayesStrategy()
-    context = strategy._get_context(state)
+    context = strategy.context(state)
     evidence = MemoryEvidence.of(context.groups, context.grid, history, state.ceiling_bytes)
-    assert strategy._pending(context, state, evidence) == [(first, False)]
+    assert pending_probes(context, state, evidence) == [(first, False)]
     before = _without_pending().propose(state)
     assert before is not None and before.per_device_train_batch_size == 32
     after = strategy.propose(state)
@@ -596,7 +610,7 @@ def test_the_surrogate_predicts_the_whole_grid_as_its_features_say() -> None:
     space = parse_space({"per_device_train_batch_size": [1, 8, 16, 64], "gradient_accumulation_steps": [1, 4], "precision": ["fp32", "bf16"],
                          "torch_compile": ["off", "inductor", "inductor:max-autotune"], "dataloader_num_workers": [0, 4]})
     strategy = BayesStrategy()
-    context = strategy._get_context(SearchState(space, 40 * GiB, MemoryModel()))
+    context = strategy.context(SearchState(space, 40 * GiB, MemoryModel()))
     surrogate, grid = context.surrogate, context.grid
     rng = np.random.default_rng(0)
     points = [grid.params_at(int(i)) for i in rng.choice(grid.size, size=12, replace=False)]
@@ -613,13 +627,14 @@ def test_bayes_and_frontier_treat_tf32_on_top_of_mixed_precision_as_its_16_bit_b
     """bf16+tf32 / fp16+tf32 store weights, activations and optimizer state as bf16 / fp16 do: the
     bayes memory kernels put them in the mixed-precision class, their prior is their base's, and the
     frontier orders each right after its base."""
-    from autotune.search.strategies import bayes, frontier
+    from autotune.search.strategies import frontier
+    from autotune.search.strategies.bayes import features, groups
 
-    assert bayes._precision_class("bf16+tf32") == bayes._precision_class("bf16") == "amp"
-    assert bayes._precision_class("fp16+tf32") == "amp"
-    assert bayes._precision_class("tf32") == bayes._precision_class("fp32") == "fp32"
-    assert bayes._PRIOR["precision"]["bf16+tf32"] == bayes._PRIOR["precision"]["bf16"]
-    assert "fp16+tf32" in bayes._KINDS["precision"]["16-bit"]
+    assert groups.precision_class("bf16+tf32") == groups.precision_class("bf16") == "amp"
+    assert groups.precision_class("fp16+tf32") == "amp"
+    assert groups.precision_class("tf32") == groups.precision_class("fp32") == "fp32"
+    assert features.PRIOR["precision"]["bf16+tf32"] == features.PRIOR["precision"]["bf16"]
+    assert "fp16+tf32" in features.KINDS["precision"]["16-bit"]
     order = frontier._PREFERRED["precision"]
     assert order.index("bf16+tf32") == order.index("bf16") + 1 and order.index("fp16+tf32") == order.index("fp16") + 1
 
@@ -653,9 +668,9 @@ def test_bayes_shifts_a_fit_by_the_error_a_group_alike_shares_after_its_out_of_m
         memory.observe_all((p.params, p.result) for p in history)
         state = SearchState(space, 9 * GiB, memory, history, {p.params.key() for p in history}, remaining_s=3600.0)
         strategy = BayesStrategy()
-        context = strategy._get_context(state)
+        context = strategy.context(state)
         evidence = MemoryEvidence.of(context.groups, context.grid, history, state.ceiling_bytes)
-        return float(strategy._p_fit_row(context, state, evidence, context.groups.index(TrialParams(precision="bf16"), context.grid))[1])
+        return float(fit.p_fit_row(context, state, evidence, context.groups.index(TrialParams(precision="bf16"), context.grid))[1])
 
     measured = [probe(0, 8), probe(1, 16)]
     before, after = p_fit_at_8(measured), p_fit_at_8([*measured, probe(2, 64, "oom")])
@@ -670,7 +685,7 @@ def test_the_step_time_model_learns_whether_compilation_cuts_overhead_or_per_sam
     the kernels (batch 8 is still overhead-bound). A sum of per-value effects gains the same everywhere."""
     space = parse_space({"per_device_train_batch_size": [1, 2, 4, 8, 16, 32, 64], "gradient_accumulation_steps": [1],
                          "precision": ["bf16"], "torch_compile": ["off", "inductor"], "optim": ["adamw_torch_fused"]})
-    context = BayesStrategy()._get_context(SearchState(space, 40 * GiB, MemoryModel()))
+    context = BayesStrategy().context(SearchState(space, 40 * GiB, MemoryModel()))
     surrogate = context.surrogate
     overhead_s, per_sample_s = 0.08, 0.01  # saturates at batch 8
     cut = {"overhead": (0.3, 1.0), "per_sample": (1.0, 0.6)}[acts_on]
@@ -713,12 +728,12 @@ def _twin_p_fit(space: SearchSpace, history: list[Probe]) -> Callable[[str, str]
     memory.observe_all((p.params, p.result) for p in history)
     state = SearchState(space, _TWIN_CEILING, memory, history, {p.params.key() for p in history}, remaining_s=3600.0)
     strategy = BayesStrategy()
-    context = strategy._get_context(state)
+    context = strategy.context(state)
     evidence = MemoryEvidence.of(context.groups, context.grid, history, state.ceiling_bytes)
 
     def p_fit(attn: str, compile_mode: str) -> np.ndarray:
         group = context.groups.index(space.complete({**_TWIN_FIXED, "attn_implementation": attn, "torch_compile": compile_mode}), context.grid)
-        return strategy._p_fit_row(context, state, evidence, group)
+        return fit.p_fit_row(context, state, evidence, group)
 
     return p_fit
 

@@ -1,4 +1,4 @@
-"""Every dimension asked at least once near the incumbent (#44).
+"""Every dimension asked at least once near the incumbent.
 
 A model of throughput learns only what was measured: where the loader sets the pace and the probes
 report no input wait, every precision measures the same, the model sees no reason to try more

@@ -7,7 +7,7 @@ import difflib
 from autotune.errors import UsageError
 from autotune.search.strategies.base import Strategy
 from autotune.search.strategies.baselines import RandomStrategy, TPEStrategy
-from autotune.search.strategies.bayes import BayesStrategy
+from autotune.search.strategies.bayes.strategy import BayesStrategy
 from autotune.search.strategies.frontier import FrontierStrategy
 
 STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (BayesStrategy, FrontierStrategy, TPEStrategy, RandomStrategy)}

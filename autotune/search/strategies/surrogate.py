@@ -1,20 +1,11 @@
-"""A Bayesian model of log samples/s over the whole grid, with the problem's structure as features.
+"""The grid of a search space and the machinery a model over it is built from.
 
-Throughput is close to a product of per-dimension factors (precision, attention kernel, compile
-mode, checkpointing, optimizer, loader workers, accumulation), so its logarithm is close to a sum of
-per-value effects; batch size enters through a saturating curve (``-log(1 + beta / b)`` for a few
-saturation points, the overhead of a step amortised over its samples), hinges that let it fall
-past a middle size, misalignment indicators (not a multiple of 8, of 64) and a small per-size
-residual. Faster kernels saturate later, so the curve is tilted per precision, attention, compile
-mode, checkpointing and accumulation; the optimizer step is amortised by accumulation, so those
-two interact. Each feature depends on one or two dimensions of the grid.
-
-The model is Bayesian linear regression: a Gaussian prior per feature (the expert ordering enters
-only as prior means: a guess about what to try first, which measurements override), Gaussian
-noise, a closed-form posterior. Predictions over the whole grid (~90,000 points) are vectorised
-without building the grid's feature matrix: the mean is a sum of per-block lookups and the
-variance ``x' S x`` a sum over pairs of blocks of small tensors broadcast into the grid, so a
-prediction takes a few milliseconds.
+:class:`Grid` maps configurations to grid indices and evaluates functions of a few dimensions as
+broadcastable arrays. A model's features come in blocks (:class:`Block`: features depending on the same
+few dimensions, a tensor over those axes), so predictions over the whole grid (~90,000 points) are
+sums of small tensors broadcast into the grid (:class:`TermSum`), never a grid-sized feature matrix.
+Normal-distribution helpers (CDF, a CDF conditioned on a correlated variable's tail, expected
+improvement) close it.
 """
 
 from __future__ import annotations
@@ -139,81 +130,6 @@ def _merged(grid: Grid, blocks: list[Block]) -> list[Block]:
         merged[host] = Block(target.dims, target.names + block.names, tensor, np.concatenate([target.prior_mean, block.prior_mean]),
                              np.concatenate([target.prior_sd, block.prior_sd]))
     return merged
-
-
-class Surrogate:
-    """Bayesian linear regression over feature blocks, predicting on the whole grid at once."""
-
-    def __init__(self, grid: Grid, blocks: list[Block]) -> None:
-        self.grid = grid
-        self.blocks = blocks = _merged(grid, blocks)
-        sizes = [b.tensor.shape[-1] for b in blocks]
-        self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
-        self.n_features = int(self.offsets[-1])
-        self.prior_mean = np.concatenate([b.prior_mean for b in blocks])
-        self.prior_sd = np.concatenate([b.prior_sd for b in blocks])
-        self.mean = self.prior_mean.copy()
-        self.cov = np.diag(self.prior_sd**2)
-        self._parts32 = [b.tensor.astype(np.float32) for b in blocks]  # grid-wide sums in single precision: half the memory traffic
-        self._collapse = TermSum(grid.shape)
-
-    def index_of(self, name: str) -> int:
-        """The position of a feature by name."""
-        for block, offset in zip(self.blocks, self.offsets):
-            if name in block.names:
-                return int(offset) + block.names.index(name)
-        raise KeyError(name)
-
-    def features(self, params: TrialParams) -> np.ndarray:
-        """The feature row of one configuration of the grid."""
-        codes = self.grid.codes(params)
-        return np.concatenate([Grid.at(block.tensor, codes) for block in self.blocks])
-
-    def fit(self, rows: np.ndarray, targets: np.ndarray, noise_var: np.ndarray) -> None:
-        """Posterior given observations ``targets`` (log samples/s) with per-observation noise variance."""
-        precision = np.diag(1.0 / self.prior_sd**2)
-        rhs = self.prior_mean / self.prior_sd**2
-        if len(targets):
-            weights = 1.0 / noise_var
-            precision = precision + (rows * weights[:, None]).T @ rows
-            rhs = rhs + rows.T @ (weights * targets)
-        chol = np.linalg.cholesky(precision)
-        inverse = np.linalg.inv(chol)
-        self.cov = inverse.T @ inverse
-        self.mean = self.cov @ rhs
-
-    def set_scale(self, params: Sequence[TrialParams], targets: Sequence[float]) -> None:
-        """Centre the intercept's prior on the measurements (log samples/s varies by orders of magnitude)."""
-        self.prior_mean[self.index_of("intercept")] = float(np.median(targets)) if len(targets) else 0.0
-
-    def fit_params(self, params: Sequence[TrialParams], targets: np.ndarray, noise_var: np.ndarray) -> None:
-        self.fit(np.array([self.features(p) for p in params]).reshape(len(params), self.n_features), targets, noise_var)
-
-    def predict_params(self, params: Sequence[TrialParams]) -> tuple[np.ndarray, np.ndarray]:
-        return self.predict_rows(np.array([self.features(p) for p in params]).reshape(len(params), self.n_features))
-
-    def predict_rows(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        mean = rows @ self.mean
-        var = np.einsum("ij,jk,ik->i", rows, self.cov, rows)
-        return mean, np.sqrt(np.maximum(var, 0.0))
-
-    def predict_grid(self) -> tuple[np.ndarray, np.ndarray]:
-        """Posterior mean and standard deviation of log samples/s at every grid point (grid-shaped).
-
-        Terms are small tensors over a few axes; each is added into a larger one covering its axes
-        (a plan made once per grid), and only the largest are broadcast into the whole grid.
-        """
-        parts = self._parts32
-        spans = [slice(self.offsets[i], self.offsets[i + 1]) for i in range(len(self.blocks))]
-        mean32, cov32 = self.mean.astype(np.float32), self.cov.astype(np.float32)
-        mean_terms = [parts[i] @ mean32[spans[i]] for i in range(len(self.blocks))]
-        var_terms = []
-        for i in range(len(self.blocks)):
-            for j in range(i, len(self.blocks)):
-                term = ((parts[i] @ cov32[spans[i], spans[j]]) * parts[j]).sum(-1)
-                var_terms.append(term if i == j else 2.0 * term)
-        var = self._collapse(var_terms)
-        return self._collapse(mean_terms), np.sqrt(np.maximum(var, 0.0))
 
 
 class TermSum:

@@ -1,0 +1,126 @@
+"""What depends on the space only (the grid, the throughput model's features, the memory groups),
+the caches that live for one history, and the grid plumbing between a memory group's cells and the
+whole grid."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from autotune.params import TrialParams
+from autotune.records import Probe
+from autotune.search.memory import optimizer_state_bytes
+from autotune.search.strategies.base import SearchState
+from autotune.search.strategies.bayes.features import WORKERS, step_time_surrogate
+from autotune.search.strategies.bayes.groups import Groups
+from autotune.search.strategies.steptime import StepTimeSurrogate
+from autotune.search.strategies.surrogate import ACCUM, BATCH, Grid
+from autotune.space import SearchSpace
+
+
+@dataclass
+class Context:
+    """The grid of one space, its throughput model and memory groups, and per-history caches."""
+
+    grid: Grid
+    surrogate: StepTimeSurrogate
+    groups: Groups
+    batch_values: np.ndarray  # grid-broadcastable
+    accum_values: np.ndarray  # grid-broadcastable (derived from the batch under a fixed effective batch size)
+    compile_values: np.ndarray  # grid-broadcastable
+    other_axes: tuple[int, ...]  # the grid axes that are not memory-group dimensions
+    lines: dict[int, tuple[float, float] | None] = field(default_factory=dict)  # per group, for one history length
+    lines_at: int = -1
+    p_fit_rows: dict[int, np.ndarray] = field(default_factory=dict)  # per group, for the evidence, ceiling and lines in p_fit_for
+    p_fit_misses: dict[int, tuple[float, float]] | None = None  # per group gone over the ceiling: its largest margin missed (sds), its sd
+    p_fit_for: tuple[Any, ...] = (None, -1, -1)
+    p_ok: dict[str, tuple[tuple[Any, ...], np.ndarray]] = field(default_factory=dict)  # per kind of failure, its last prediction by its key
+    flat_of_key: dict[tuple[Any, ...], int | None] = field(default_factory=dict)
+    group_params: dict[int, TrialParams] = field(default_factory=dict)  # per group, a configuration of it
+    main_process_loading: int | None = None  # the surrogate's feature of 0 loader workers, if the space has it
+
+    @classmethod
+    def of(cls, space: SearchSpace) -> Context:
+        grid = Grid(space)
+
+        def accum_of(v: dict[str, Any]) -> int:
+            return grid.accumulation(v.get(BATCH, 1), v.get(ACCUM))
+
+        accum_dims = (ACCUM,) if ACCUM in grid.names else ((BATCH,) if space.effective_batch_size else ())
+        accum_values = sorted({grid.accumulation(b, a) for b in grid.values[BATCH] for a in grid.values.get(ACCUM, (1,))})
+        batch_values = grid.along((BATCH,), lambda **v: float(v[BATCH]))
+        accum_grid = grid.along(accum_dims, lambda **v: float(accum_of(v))) if accum_dims else np.ones(grid.broadcast_shape(()))
+        surrogate = step_time_surrogate(grid, accum_dims, accum_values, accum_of, batch_values, accum_grid)
+        groups = Groups.of(grid)
+        other_axes = tuple(i for i, n in enumerate(grid.names) if n not in groups.dims)
+        compile_values = np.array(grid.values["torch_compile"], dtype=object).reshape(grid.broadcast_shape(("torch_compile",)))
+        context = cls(grid, surrogate, groups, batch_values, accum_grid, compile_values, other_axes)
+        if WORKERS in grid.names and 0 in grid.values[WORKERS] and len(grid.values[WORKERS]) > 1:
+            context.main_process_loading = surrogate.index_of(f"{WORKERS}=0")
+        return context
+
+    def refresh_lines(self, stamp: int) -> None:
+        """Forget the memory model's lines when the history (of length ``stamp``) changed."""
+        if self.lines_at != stamp:
+            self.lines, self.lines_at = {}, stamp
+
+    def params_of_group(self, group: int) -> TrialParams:
+        """A configuration of ``group`` (its other values: the grid's first)."""
+        if group not in self.group_params:
+            self.group_params[group] = self.grid.params_at(0).replace(**dict(zip(self.groups.dims, self.groups.values[group])))
+        return self.group_params[group]
+
+    def batch_shape(self) -> tuple[int, ...]:
+        """The shape of one group's cells with the batch axis kept and the others of size 1."""
+        return tuple(len(self.grid.values[BATCH]) if self.grid.names[a] == BATCH else 1 for a in self.other_axes)
+
+    def group_cells(self, group: int) -> tuple[Any, ...]:
+        """An index into grid-shaped arrays selecting one memory group (its other axes kept)."""
+        codes = dict(zip(self.groups.dims, self.groups.codes[group]))
+        return tuple(int(codes[n]) if n in codes else slice(None) for n in self.grid.names)
+
+    def flat_of(self, group: int, local: int) -> int:
+        """The flat grid index of cell ``local`` (flat over the other axes) of ``group``."""
+        grid = self.grid
+        codes = dict(zip(self.groups.dims, self.groups.codes[group]))
+        other = np.unravel_index(local, [grid.shape[a] for a in self.other_axes])
+        other_codes = dict(zip([grid.names[a] for a in self.other_axes], other))
+        full = tuple(int(codes[n]) if n in codes else int(other_codes[n]) for n in grid.names)
+        return int(np.ravel_multi_index(full, grid.shape))
+
+    def batch_grid(self, table: np.ndarray) -> np.ndarray:
+        """A groups x accumulations x batches table (:class:`MemoryEvidence`'s) as a grid-broadcastable array."""
+        grid = self.grid
+        dims = (*self.groups.dims, *((ACCUM,) if ACCUM in grid.names else ()), BATCH)
+        shaped = table.reshape([len(grid.values[d]) for d in dims])
+        order = np.argsort([grid.axis[d] for d in dims])
+        return np.broadcast_to(shaped.transpose(order).reshape(grid.broadcast_shape(dims)), grid.shape)
+
+    def seen_flat(self, state: SearchState, history: list[Probe]) -> list[int]:
+        """Grid indices of what ran or was pruned: never proposed again."""
+        keys = [p.params.key() for p in history]
+        if isinstance(state.seen, Iterable):
+            keys += list(state.seen)
+        indices = []
+        for key in keys:
+            if key not in self.flat_of_key:
+                self.flat_of_key[key] = self.grid.flat_index(TrialParams.from_key(key))
+            index = self.flat_of_key[key]
+            if index is not None:
+                indices.append(index)
+        return indices
+
+    def frugal_mask(self, *, any_batch: bool = False) -> np.ndarray:
+        """Before anything ran: checkpointing, the optimizer with the least state, the smallest batch
+        (``any_batch``: at any batch size, once the smallest is being probed elsewhere: the next
+        workers bracket the memory frontier instead of asking again whether the smallest runs)."""
+        grid = self.grid
+        mask = np.ones(grid.shape, dtype=bool)
+        if True in grid.values["gradient_checkpointing"]:
+            mask = mask & np.array([v is True for v in grid.values["gradient_checkpointing"]]).reshape(grid.broadcast_shape(("gradient_checkpointing",)))
+        states = [optimizer_state_bytes(o, 10**9, 2048) for o in grid.values["optim"]]
+        mask = mask & (np.array(states) == min(states)).reshape(grid.broadcast_shape(("optim",)))
+        return mask if any_batch else mask & (self.batch_values == min(grid.values[BATCH]))

@@ -1,0 +1,185 @@
+"""P(fits): the calibrated memory model's prediction per memory group against the ceiling, with an
+error that shrinks as the group gets measured.
+
+A group never measured whose twin was (storing alike: fused attention kernels, compile modes, fp16
+and bf16) reads its peaks off the twin's, give or take :data:`TWIN_SD`. Where a group alike went
+over the ceiling against the prediction, the two share part of their error (correlated normals: the
+miss shifts and narrows this group's error), and where a group with no more memory went over at a
+smaller batch, a fit is unlikely (:data:`OOM_IMPLIED`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from autotune.params import TrialParams
+from autotune.search.memory import PRUNE_MARGIN, UNCALIBRATED_PRUNE_MARGIN
+from autotune.search.strategies.base import SearchState
+from autotune.search.strategies.bayes.context import Context
+from autotune.search.strategies.bayes.groups import MemoryEvidence
+from autotune.search.strategies.surrogate import BATCH, normal_cdf, normal_cdf_given_above
+
+OOM_IMPLIED = 0.05  # P(fits) left where an OOM elsewhere implies this one, given plausible activation ratios
+# Relative error of a predicted peak, by what was measured: the group's line, one point of it, a
+# group with its activation factors (MemoryModel.class_measured), nothing alike.
+MEMORY_SD = {"line": 0.03, "point": 0.10, "class": 0.10, "none": 0.30}
+# A twin differs from the measured group by what the values it differs in store apart: fused
+# attention kernels and compile modes keep activations within about 5 % of each other; fp16 and
+# bf16 store alike. Relative sd of its peak around the twin's.
+TWIN_SD = 0.03
+
+
+def line(context: Context, state: SearchState, group: int) -> tuple[float, float] | None:
+    """The memory model's peak for ``group`` as (bytes at batch 0, bytes per sample); ``None`` before any scale."""
+    if group not in context.lines:
+        params = context.params_of_group(group)
+        one = state.memory.predict(params.replace(per_device_train_batch_size=1))
+        two = state.memory.predict(params.replace(per_device_train_batch_size=2))
+        context.lines[group] = None if one is None or two is None else (2.0 * one - two, float(two - one))
+    return context.lines[group]
+
+
+def _predicted_row(context: Context, state: SearchState, group: int) -> np.ndarray | None:
+    fitted = line(context, state, group)
+    if fitted is None:
+        return None
+    return fitted[0] + fitted[1] * context.batch_values.reshape(-1)
+
+
+def _memory_sd(context: Context, state: SearchState, evidence: MemoryEvidence, group: int) -> float:
+    """The relative error of the memory model's peak for ``group``, by what was measured (:data:`MEMORY_SD`)."""
+    fits = evidence.fits.get(group, {})
+    if len(fits) >= 2:
+        return MEMORY_SD["line"]
+    if fits:
+        return MEMORY_SD["point"]
+    return MEMORY_SD["class" if state.memory.class_measured(context.params_of_group(group)) else "none"]
+
+
+def p_fit_row(context: Context, state: SearchState, evidence: MemoryEvidence, group: int) -> np.ndarray:
+    """P(peak <= ceiling) along the batch axis for ``group`` (read-only: kept while the evidence,
+    the ceiling and the memory model's lines stay the same, as they do through one proposal)."""
+    held, ceiling, lines_at = context.p_fit_for
+    if held is not evidence or (ceiling, lines_at) != (state.ceiling_bytes, context.lines_at):
+        context.p_fit_rows, context.p_fit_misses, context.p_fit_for = {}, None, (evidence, state.ceiling_bytes, context.lines_at)
+    row = context.p_fit_rows.get(group)
+    if row is None:
+        row = context.p_fit_rows[group] = _p_fit_row_of(context, state, evidence, group)
+        row.setflags(write=False)
+    return row
+
+
+def _p_fit_row_of(context: Context, state: SearchState, evidence: MemoryEvidence, group: int) -> np.ndarray:
+    ceiling = state.ceiling_bytes
+    model = _predicted_row(context, state, group)
+    if model is None:
+        return np.full(len(context.grid.values[BATCH]), 0.5)
+    fits = evidence.fits.get(group, {})
+    sd = _memory_sd(context, state, evidence, group)
+    margin = np.log(ceiling / np.maximum(model, 1.0)) / sd  # how far under the ceiling the model puts each batch, in sds
+    p_fit = normal_cdf(margin)
+    if not fits:
+        twins = [t for t in evidence.fits if context.groups.twin[group, t]]
+        if twins:
+            # A measured twin is closer evidence than the class: its peaks, give or take TWIN_SD.
+            p_fit = np.min([_twin_p_fit(context, state, evidence, t) for t in twins], axis=0)
+        # The model's log error r on a group it has not measured is ~ N(0, sd^2). Going over the
+        # ceiling where it predicted a margin m says that group's error r' > m there (r' ~
+        # N(0, sd'^2)); groups alike (similarity w) share errors: r = w r' + what is ours alone,
+        # so r and r' correlate by w sd' / sd (at most 1). The least likely fit over those
+        # conditions counts; per group alike, its largest margin missed binds.
+        if context.p_fit_misses is None:
+            context.p_fit_misses = _misses(context, state, evidence)
+        live = p_fit > 1e-12  # a miss alike only lowers P(fits) (rho >= 0): what cannot fit stays so
+        for other, (other_margin, other_sd) in context.p_fit_misses.items():
+            if context.groups.similarity[group, other] > 0:
+                rho = min(1.0, float(context.groups.similarity[group, other]) * other_sd / sd)
+                p_fit[live] = np.minimum(p_fit[live], normal_cdf_given_above(margin[live], other_margin, rho))
+    for j, peak in fits.items():
+        p_fit[j] = float(peak <= ceiling)
+    # Over the ceiling at batch b0 (OOM or measured) in a group with no more static memory,
+    # whose activations per sample are at most 1/ratio of ours: ours is over from b0 / ratio on.
+    batches = context.batch_values.reshape(-1)
+    for other, j in evidence.over:
+        ratio = context.groups.activation_ratio[group, other]
+        if ratio > 0:
+            p_fit = np.where(batches >= batches[j] / ratio, p_fit * OOM_IMPLIED, p_fit)
+    return p_fit
+
+
+def _twin_p_fit(context: Context, state: SearchState, evidence: MemoryEvidence, twin: int) -> np.ndarray:
+    """P(fits) along the batch axis for a group that stores like the measured group ``twin``: the
+    twin's peaks where measured, its memory model's line elsewhere, each give or take :data:`TWIN_SD`."""
+    row = _predicted_row(context, state, twin)
+    assert row is not None  # the twin has a measured peak
+    sd = np.full(len(row), math.hypot(TWIN_SD, _memory_sd(context, state, evidence, twin)))
+    row = row.astype(float).copy()
+    for j, peak in evidence.fits[twin].items():
+        row[j], sd[j] = peak, TWIN_SD
+    return normal_cdf(np.log(state.ceiling_bytes / np.maximum(row, 1.0)) / sd)
+
+
+def _misses(context: Context, state: SearchState, evidence: MemoryEvidence) -> dict[int, tuple[float, float]]:
+    """Per group gone over the ceiling where the memory model has a prediction: the largest margin
+    under the ceiling it predicted there, in its sds, and that sd."""
+    margins: dict[int, float] = {}
+    for other, j in evidence.over:
+        other_row = _predicted_row(context, state, other)
+        if other_row is not None:
+            margins[other] = max(margins.get(other, -math.inf), math.log(state.ceiling_bytes / max(float(other_row[j]), 1.0)))
+    misses = {}
+    for other, margin in margins.items():
+        other_sd = _memory_sd(context, state, evidence, other)
+        misses[other] = (margin / other_sd, other_sd)
+    return misses
+
+
+def _pruned_row(context: Context, state: SearchState, evidence: MemoryEvidence, group: int) -> np.ndarray:
+    """What :meth:`MemoryModel.prune_reason` rules out by prediction, along the batch axis."""
+    model = _predicted_row(context, state, group)
+    if model is None:
+        return np.zeros(len(context.grid.values[BATCH]), dtype=bool)
+    fits = evidence.fits.get(group)
+    if not fits and len(evidence.fits) < 2:
+        return np.zeros(len(model), dtype=bool)  # the memory model prunes an unmeasured group only once two are measured
+    margin = PRUNE_MARGIN if fits else UNCALIBRATED_PRUNE_MARGIN
+    return model > state.ceiling_bytes * (1 + margin)
+
+
+def likely_batch(context: Context, state: SearchState, evidence: MemoryEvidence, params: TrialParams) -> TrialParams | None:
+    """``params`` at the largest batch no larger than its own that is likelier to fit than not
+    (``None`` where none is)."""
+    grid = context.grid
+    context.refresh_lines(len(state.history))
+    p_fit = p_fit_row(context, state, evidence, context.groups.index(params, grid))
+    likely = [b for b, p in zip(grid.values[BATCH], p_fit) if p >= 0.5 and b <= params.per_device_train_batch_size]
+    return state.space.with_changes(params, per_device_train_batch_size=max(likely)) if likely else None
+
+
+def best_over_groups(context: Context, state: SearchState, evidence: MemoryEvidence, bound: np.ndarray,
+                     exact: Callable[[tuple[Any, ...], np.ndarray], np.ndarray]) -> tuple[float, int] | None:
+    """The largest ``exact(cells, p_fit)`` over the grid (``cells`` one memory group's index into
+    grid-shaped arrays, ``p_fit`` its P(fits): 1 where known to fit), and its flat index; ``None``
+    where no group's ``bound`` (grid-shaped, ``exact`` with P(fits) = 1) is finite. What the memory
+    model prunes and no probe showed to fit is never the largest. P(fits) needs two memory-model
+    predictions per group, the slowest part, so groups are visited best bound first, and the visit
+    stops when no group left can beat the best found (exact, since ``exact`` rises with P(fits))."""
+    known = context.batch_grid(evidence.known_fit)
+    per_group = bound.max(axis=context.other_axes).reshape(-1)
+    shape = context.batch_shape()
+    context.refresh_lines(len(state.history))
+    best_value, best_index = -np.inf, None
+    for group in np.argsort(-per_group, kind="stable"):
+        if per_group[group] <= best_value or not np.isfinite(per_group[group]):
+            break
+        cells = context.group_cells(int(group))
+        p_fit = np.where(known[cells], 1.0, p_fit_row(context, state, evidence, int(group)).reshape(shape))
+        value = np.where(_pruned_row(context, state, evidence, int(group)).reshape(shape) & ~known[cells], -np.inf, exact(cells, p_fit))
+        local = int(np.argmax(value))
+        if value.reshape(-1)[local] > best_value:
+            best_value, best_index = float(value.reshape(-1)[local]), context.flat_of(int(group), local)
+    return None if best_index is None else (best_value, best_index)

@@ -1,0 +1,163 @@
+"""Questions the expected improvement per second ranks too late, asked on purpose.
+
+* **Every dimension once near the incumbent** (:func:`coverage_question`, what is unasked:
+  :mod:`autotune.search.strategies.coverage`): cheapest first, what the memory model or failures
+  rule out skipped.
+* **Memory groups compared at equal samples per optimizer step** (:func:`comparison`):
+  checkpointing lets larger batches fit, and a small batch pays its optimizer step over few samples.
+* **The other 16-bit format, once** (:func:`precision_sibling`): fp16 and bf16 are a prior 2 %
+  apart, either can be several percent faster, and the answer carries to every configuration of
+  that precision.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from autotune.params import TrialParams, mixed_precision_dtype
+from autotune.records import Probe, ProbeStatus
+from autotune.search.ranking import Configuration
+from autotune.search.strategies import coverage
+from autotune.search.strategies.base import SearchState
+from autotune.search.strategies.bayes.context import Context
+from autotune.search.strategies.bayes.fit import likely_batch
+from autotune.search.strategies.bayes.groups import MemoryEvidence
+from autotune.search.strategies.surrogate import ACCUM, BATCH
+
+COVERAGE_SHARE = 0.2  # at most this share of the run's budget is kept for asking every dimension near the incumbent
+# A 16-bit format that failed once keeps P(runs) of about 0.4 in a context its failure does not hold
+# (failures.py); one that failed twice, about 0.05. A context with less is no confirmation.
+CONFIRM_P_OK = 0.25
+
+
+def coverage_question(context: Context, state: SearchState, feasible: list[Configuration], allowed: np.ndarray, cost_ok: np.ndarray,
+                      budget_s: float, *, loader_first: bool = False) -> tuple[TrialParams | None, float, float]:
+    """The cheapest question left near the incumbent, its seconds, and the seconds all of them take
+    (at most :data:`COVERAGE_SHARE` of ``budget_s``): per unasked dimension its first variant that
+    may be proposed, at the largest batch up to the incumbent's likelier to fit than not;
+    ``loader_first``: in :data:`coverage.DIMENSIONS`' order (the loader's workers first), not by cost."""
+    if not feasible:
+        return None, 0.0, 0.0
+    grid = context.grid
+    incumbent = feasible[0].params
+    flat_allowed = allowed.reshape(-1)
+    flat_cost = np.broadcast_to(cost_ok, grid.shape).reshape(-1)
+    questions: list[tuple[float, int, TrialParams]] = []
+    evidence: MemoryEvidence | None = None
+    for rank, dimension in enumerate(coverage.unasked(state.space, incumbent, state.history)):
+        for variant in coverage.variants(state.space, incumbent, dimension):
+            if dimension == "gradient_checkpointing" and variant.gradient_checkpointing:  # its point: a larger batch
+                evidence = evidence or MemoryEvidence.of(context.groups, grid, state.history, state.ceiling_bytes)
+                largest = state.space.with_changes(variant, per_device_train_batch_size=max(grid.values[BATCH]))
+                variant = likely_batch(context, state, evidence, largest) or variant
+            if state.memory.prune_reason(variant, state.ceiling_bytes) is not None:
+                evidence = evidence or MemoryEvidence.of(context.groups, grid, state.history, state.ceiling_bytes)
+                variant = likely_batch(context, state, evidence, variant) or variant
+            index = grid.flat_index(variant)
+            if index is not None and flat_allowed[index] and state.memory.prune_reason(variant, state.ceiling_bytes) is None:
+                questions.append((float(flat_cost[index]), rank, variant))
+                break
+    if not questions:
+        return None, 0.0, 0.0
+    questions.sort(key=lambda q: (q[1], q[0]) if loader_first else (q[0], q[1]))
+    most = COVERAGE_SHARE * budget_s if budget_s > 0 else math.inf
+    kept = 0.0
+    for cost, _, _ in questions:
+        if kept + cost > most:
+            break
+        kept += cost
+    return questions[0][2], questions[0][0], kept
+
+
+def comparison(context: Context, state: SearchState, feasible: list[Configuration], allowed: np.ndarray,
+               evidence: MemoryEvidence, history: list[Probe]) -> int | None:
+    """The other checkpointing group's best configuration accumulating as many samples per optimizer
+    step as the incumbent (its flat grid index), once per group.
+
+    The group without checkpointing runs smaller batches, whose optimizer step weighs more per
+    sample; compared at equal samples per optimizer step the group that looked slower may win, and
+    the throughput model cannot tell a batch's overhead from an optimizer step's until such a probe
+    measures it. Where nothing without checkpointing has fitted yet, the candidate is the best
+    uncompiled configuration with checkpointing off, at the largest batch no larger than its own
+    that is likelier to fit than not. When it runs is the strategy's choice.
+    """
+    grid = context.grid
+    if not feasible or ACCUM not in grid.names or "gradient_checkpointing" not in grid.names:
+        return None
+    incumbent = feasible[0].params
+    target = incumbent.effective_batch_size
+    flat_allowed = allowed.reshape(-1)
+    for value in grid.values["gradient_checkpointing"]:
+        if value == incumbent.gradient_checkpointing:
+            continue
+        if any(p.params.gradient_checkpointing == value and p.params.effective_batch_size >= target for p in history):
+            continue
+        best = next((c.params for c in feasible if c.params.gradient_checkpointing == value), None)
+        if best is None:
+            if value:
+                continue  # checkpointing pays only at larger batches, which the measured group's OOMs say nothing about
+            plain = next((c.params for c in feasible if c.params.torch_compile == "off"), incumbent)
+            likely = likely_batch(context, state, evidence, state.space.with_changes(plain, gradient_checkpointing=value, torch_compile="off"))
+            if likely is None:
+                continue
+            best = state.space.with_changes(likely, **{ACCUM: min(grid.values[ACCUM])})
+        accums = [a for a in sorted(grid.values[ACCUM]) if a >= best.gradient_accumulation_steps]
+        accum = next((a for a in accums if a * best.per_device_train_batch_size >= target), accums[-1] if accums else None)
+        if accum is None:
+            continue
+        index = grid.flat_index(state.space.with_changes(best, **{ACCUM: accum}))
+        if index is not None and flat_allowed[index]:
+            return index
+    return None
+
+
+def precision_sibling(context: Context, state: SearchState, feasible: list[Configuration], allowed: np.ndarray,
+                      history: list[Probe], p_ok: np.ndarray, mean: np.ndarray, evidence: MemoryEvidence) -> int | None:
+    """The best uncompiled configuration with the incumbent's 16-bit precision, in the other 16-bit
+    format (its flat grid index), once, where nothing ran in it.
+
+    Where the other format's one probe so far crashed or diverged (fp16 with Adafactor, say), that
+    is one piece of evidence, not yet a rule: the question is asked once more in a context the
+    failure leaves a fair chance to run (:data:`CONFIRM_P_OK`): the best uncompiled configuration
+    with its optimizer, attention kernel or checkpointing changed, at the largest batch no larger
+    than its own that likely fits; of those, the fastest expected times P(runs). A second failure
+    confirms the format's own failure."""
+    grid = context.grid
+    if not feasible or "precision" not in grid.names:
+        return None
+    base = mixed_precision_dtype(feasible[0].params.precision)
+    if base is None:
+        return None
+    other = "fp16" if base == "bf16" else "bf16"
+    tried = [p for p in history if mixed_precision_dtype(p.params.precision) == other]
+    if len(tried) > 1 or any(p.result.status not in (ProbeStatus.CRASH, ProbeStatus.DIVERGED) for p in tried):
+        return None  # it ran, ran out of memory, or failed twice: the question was asked
+    plain = next((c.params for c in feasible if c.params.torch_compile == "off" and mixed_precision_dtype(c.params.precision) == base), None)
+    if plain is None:
+        return None
+    precision = plain.precision.replace(base, other)
+    if precision not in grid.values["precision"]:
+        precision = other
+        if precision not in grid.values["precision"]:
+            return None
+    sibling = state.space.with_changes(plain, precision=precision)
+    flat_allowed = allowed.reshape(-1)
+    if not tried:
+        index = grid.flat_index(sibling)
+        return index if index is not None and bool(flat_allowed[index]) else None
+    flat_p_ok = np.broadcast_to(p_ok, grid.shape).reshape(-1)
+    flat_mean = np.broadcast_to(mean, grid.shape).reshape(-1)
+    contexts = [sibling] + [state.space.with_changes(sibling, **{dim: value}) for dim in ("optim", "attn_implementation", "gradient_checkpointing")
+                            if dim in grid.names for value in grid.values[dim] if value != getattr(sibling, dim)]
+    best_value, best_index = -math.inf, None
+    for switched in contexts:
+        candidate = likely_batch(context, state, evidence, switched)
+        index = None if candidate is None else grid.flat_index(candidate)
+        if index is None or not flat_allowed[index] or flat_p_ok[index] < CONFIRM_P_OK:
+            continue
+        value = float(flat_p_ok[index] * np.exp(flat_mean[index]))
+        if value > best_value:
+            best_value, best_index = value, index
+    return best_index

@@ -1,0 +1,201 @@
+"""The ``bayes`` strategy: each proposal scores the whole grid by expected improvement per expected
+probe second, ``P(runs) x P(fits) x EI / E[probe seconds]``, after the questions asked on purpose
+(:mod:`.questions`) and within the time kept for polishing (:mod:`.polish`) and for the loop's
+near-ties (``SearchState.kept_s``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import optuna
+
+from autotune.params import TrialParams
+from autotune.records import Probe, ProbeResult, ProbeStatus
+from autotune.search.ranking import rank_configurations
+from autotune.search.strategies import coverage
+from autotune.search.strategies.base import SearchState, SeenKeys, Strategy
+from autotune.search.strategies.baselines import tpe_sampler
+from autotune.search.strategies.bayes import fit, polish, questions, throughput
+from autotune.search.strategies.bayes.context import Context
+from autotune.search.strategies.bayes.cost import probe_costs
+from autotune.search.strategies.bayes.groups import MemoryEvidence
+from autotune.search.strategies.failures import KINDS, FailureModel
+
+PENDING_NUMBER = 10**9  # pending probes' numbers: after every real trial's
+
+
+class BayesStrategy(Strategy):
+    """Expected improvement per probe second under a learnt throughput, failure and memory model."""
+
+    name = "bayes"
+
+    def __init__(self) -> None:
+        self._context: Context | None = None
+        self._budget_s = 0.0  # the most time left seen: this run's budget
+
+    def sampler(self, seed: int) -> optuna.samplers.BaseSampler:
+        return tpe_sampler(seed)
+
+    def context(self, state: SearchState) -> Context:
+        """The grid, features and caches of ``state.space`` (built once per space)."""
+        if self._context is None or self._context.grid.space != state.space:
+            self._context = Context.of(state.space)
+        return self._context
+
+    def prune(self, params: TrialParams, state: SearchState) -> str | None:
+        reason = state.memory.prune_reason(params, state.ceiling_bytes)
+        if reason is not None:
+            return reason
+        context = self.context(state)
+        grid = context.grid
+        if grid.flat_index(params) is None:
+            return None
+        evidence = MemoryEvidence.of(context.groups, grid, state.history, state.ceiling_bytes)
+        if evidence.ruled_out[(context.groups.index(params, grid),) + MemoryEvidence.cell(grid, params)]:
+            return "out of memory, or over the ceiling, at a batch and accumulation no larger in a group needing no more memory"
+        for kind in KINDS:
+            failed = FailureModel.from_history(grid, state.history, kind).certain_failure(params)
+            if failed is not None:
+                return f"holds every suspect of the {kind.name} of {failed.short()}"
+        return None
+
+    def propose(self, state: SearchState) -> TrialParams | None:
+        context = self.context(state)
+        grid = context.grid
+        history = list(state.history)
+        ran = [p for p in history if p.result.status is ProbeStatus.OK and p.result.samples_per_s and grid.flat_index(p.params) is not None]
+        evidence = MemoryEvidence.of(context.groups, grid, history, state.ceiling_bytes)
+        pending = pending_probes(context, state, evidence)
+        mean, sd, cap = throughput.posterior(context, ran, [params for params, fits in pending if fits])
+        feasible = state.feasible()
+        nothing_ran = not ran
+        if pending:
+            # Other workers' probes in flight count as finished with the outcome the model expects,
+            # so this proposal complements them instead of repeating their question.
+            believed = _believed(context, state, pending, mean)
+            ran = ran + [p for p in believed if p.result.ok]
+            history = history + believed
+            evidence = MemoryEvidence.of(context.groups, grid, history, state.ceiling_bytes)
+            feasible = rank_configurations(history, state.ceiling_bytes)
+        p_ok = np.broadcast_to(self._p_ok(context, state), grid.shape)
+        cost_ok, cost_fail = probe_costs(context, history, mean)
+        # What may be proposed at all.
+        allowed = p_ok > 0.0
+        allowed = allowed & ~context.batch_grid(evidence.ruled_out)
+        if state.remaining_s is not None:
+            allowed = allowed & (cost_ok <= state.remaining_s)
+        if nothing_ran:  # what ran, not what is believed to: a pending probe's fit is only likelier than not
+            smallest = context.frugal_mask().reshape(-1)  # being probed elsewhere: bracket the frontier instead
+            any_batch = any(smallest[grid.flat_index(params)] for params, _ in pending)
+            frugal = allowed & context.frugal_mask(any_batch=any_batch)
+            allowed = frugal if frugal.any() else allowed
+        allowed = allowed.copy()
+        allowed.reshape(-1)[context.seen_flat(state, history)] = False
+        if not allowed.any():
+            return None
+        if state.remaining_s is not None:
+            self._budget_s = max(self._budget_s, state.remaining_s)
+        sibling = questions.precision_sibling(context, state, feasible, allowed, history, p_ok, mean, evidence)
+        if sibling is not None:
+            return grid.params_at(sibling)
+        compare = questions.comparison(context, state, feasible, allowed, evidence, history)
+        if compare is not None and state.remaining_s is None:
+            return grid.params_at(compare)
+        gain = throughput.gain(context, feasible, mean, sd, cap, allowed)
+        if state.remaining_s is not None:
+            # A probe that would eat into the time kept for polishing is not started.
+            reserve, polishing, order = polish.polish_reserve(context, state, feasible, (mean, sd, cap), p_ok, cost_ok, allowed, evidence, self._budget_s)
+            if compare is not None:
+                # The groups are compared once exploring has had its time to find each one's best
+                # (what is left is twice what polishing and the comparison need), and the
+                # comparison's time is kept meanwhile.
+                compare_s = float(np.broadcast_to(cost_ok, grid.shape).reshape(-1)[compare])
+                if state.remaining_s <= 2.0 * (reserve + compare_s):
+                    return grid.params_at(compare)
+                reserve += compare_s
+            # Every dimension asked once near the incumbent, cheapest first: its time is kept like
+            # polishing's, and it is asked at once where precisions tie.
+            tie = coverage.tie_across_precisions(feasible)
+            question, question_s, asking_s = questions.coverage_question(context, state, feasible, allowed, cost_ok, self._budget_s, loader_first=tie)
+            due = tie or asking_s + reserve + state.kept_s >= state.remaining_s
+            if question is not None and due and question_s + state.kept_s <= state.remaining_s:  # not the near-ties' time
+                return question
+            reserve += asking_s
+            if order and reserve >= state.remaining_s:
+                # Only the kept time is left: polish, the most valuable probe first.
+                return grid.params_at(order[0])
+            # Nor an exploring one that would eat into the time the loop keeps for the near-ties (kept_s).
+            allowed = allowed & (polishing | (cost_ok + reserve + state.kept_s <= state.remaining_s))
+            if not allowed.any():
+                return None
+        # Upper bound of the score (P(fits) = 1 wherever no evidence says otherwise), then the exact
+        # score group by group, best bound first.
+        bound = _score(gain, p_ok, np.ones(1), cost_ok, cost_fail, allowed)
+        best = fit.best_over_groups(context, state, evidence, bound, lambda cells, p_fit: _score(
+            gain[cells], p_ok[cells], p_fit, cost_ok[cells], cost_fail[cells], allowed[cells]))
+        return None if best is None else grid.params_at(best[1])
+
+    @staticmethod
+    def _p_ok(context: Context, state: SearchState) -> np.ndarray:
+        """P(runs) over the grid (broadcastable): no crash and no divergence, from what ran (a pending
+        probe may still crash), each kind's prediction kept while its failures stay the same."""
+        p_ok: np.ndarray = np.ones(1)
+        for kind in KINDS:
+            failures = FailureModel.from_history(context.grid, state.history, kind)
+            cached = context.p_ok.get(kind.name)
+            if cached is None or cached[0] != failures.key():
+                cached = context.p_ok[kind.name] = (failures.key(), failures.p_ok_grid(context.grid))
+            p_ok = p_ok * cached[1]  # over every axis but the batch: broadcast where used
+        return p_ok
+
+
+def _score(gain: Any, p_ok: Any, p_fit: Any, cost_ok: Any, cost_fail: Any, allowed: Any) -> np.ndarray:
+    """Expected improvement per expected probe second (increasing in P(fits), so 1 bounds it)."""
+    p_run = p_ok * p_fit
+    expected_cost = p_run * cost_ok + (1.0 - p_run) * cost_fail
+    return np.where(allowed, p_run * gain / np.maximum(expected_cost, 1.0), -np.inf)
+
+
+def pending_probes(context: Context, state: SearchState, evidence: MemoryEvidence) -> list[tuple[TrialParams, bool]]:
+    """The configurations in flight in other workers (``state.seen.in_flight``) and whether each is
+    expected to fit: known to fit, or likelier to fit than not (and not ruled out).
+
+    Without them N workers deciding on the same finished probes ask N near-copies of one question;
+    counting each as finished with its likeliest outcome (a fit at the model's mean, else an OOM)
+    makes the next proposal complement them. With one worker nothing is in flight.
+    """
+    in_flight = state.seen.in_flight if isinstance(state.seen, SeenKeys) else ()
+    if not in_flight:
+        return []
+    grid = context.grid
+    context.refresh_lines(len(state.history))
+    pending: list[tuple[TrialParams, bool]] = []
+    for key in sorted(in_flight, key=repr):  # a stable order: the storage's set order is not
+        params = TrialParams.from_key(key)
+        if grid.flat_index(params) is None:
+            continue
+        group, (a, j) = context.groups.index(params, grid), MemoryEvidence.cell(grid, params)
+        if evidence.known_fit[group, a, j] or evidence.ruled_out[group, a, j]:
+            fits = bool(evidence.known_fit[group, a, j])
+        else:
+            fits = bool(fit.p_fit_row(context, state, evidence, group)[j] >= 0.5)
+        pending.append((params, fits))
+    return pending
+
+
+def _believed(context: Context, state: SearchState, pending: list[tuple[TrialParams, bool]], mean: np.ndarray) -> list[Probe]:
+    """Pending configurations as probes with their believed outcome: a fit at the posterior mean
+    (its peak at the memory model's prediction, at most the ceiling), or an OOM."""
+    grid = context.grid
+    flat_mean = np.broadcast_to(mean, grid.shape).reshape(-1)
+    believed = []
+    for i, (params, fits) in enumerate(pending):
+        if fits:
+            line = fit.line(context, state, context.groups.index(params, grid))
+            peak = state.ceiling_bytes if line is None else int(min(max(line[0] + line[1] * params.per_device_train_batch_size, 1.0), state.ceiling_bytes))
+            result = ProbeResult(ProbeStatus.OK, samples_per_s=float(np.exp(flat_mean[grid.flat_index(params)])), peak_mem_bytes=peak)
+        else:
+            result = ProbeResult(ProbeStatus.OOM)
+        believed.append(Probe(PENDING_NUMBER + i, params, result))
+    return believed
