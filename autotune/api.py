@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import optuna
 
+import autotune.defaults as defaults
 import autotune.studies as studies
 from autotune.errors import DeviceError, StorageFailed, UsageError
 from autotune.params import PARAM_DEFAULTS, PARAM_NAMES, TrialParams
@@ -82,9 +83,8 @@ class RunOptions:
         text_column: the dataset's text column (not used for ``.txt``).
         tokenizer: a tokenizer directory or hub id for ``dataset`` (default: the model's).
         strategy: how to search: ``bayes`` (the default: a throughput model learned from the probes,
-            expected improvement per probe second, crashes inferred, memory model), ``frontier`` (an
-            expert ordering: batch frontier, coordinate sweeps, compile last), ``tpe`` (plain Optuna
-            TPE) or ``random``.
+            expected improvement per probe second, crashes inferred, memory model), or the baselines
+            ``tpe`` (plain Optuna TPE) and ``random``.
         isolation: how each probe's fresh process starts: ``fork`` from a probe server that has
             imported torch and transformers once (checked CUDA-clean when it starts; probes start
             cold if it is not), or ``cold``, a new interpreter per probe (slower, nothing shared).
@@ -120,24 +120,24 @@ class RunOptions:
     """
 
     model: str | None = None
-    budget: str | float | None = "30m"
+    budget: str | float | None = defaults.BUDGET
     n_trials: int | None = None
-    space: str | SearchSpace = "default"
+    space: str | SearchSpace = defaults.SPACE
     memory_ceiling: str | float | None = None
     effective_batch_size: int | None = None
     seq_len: int | None = None
-    device: str | DeviceInfo = "auto"
+    device: str | DeviceInfo = defaults.DEVICE
     storage: str | optuna.storages.BaseStorage | None = None
     study: str | None = None
-    seed: int = 0
-    trial_timeout: str | float = "15m"
-    warmup_steps: int = 3
-    measure_steps: int = 8
+    seed: int = defaults.SEED
+    trial_timeout: str | float = defaults.TRIAL_TIMEOUT
+    warmup_steps: int = defaults.WARMUP_STEPS
+    measure_steps: int = defaults.MEASURE_STEPS
     dataset: str | None = None
-    text_column: str = "text"
+    text_column: str = defaults.TEXT_COLUMN
     tokenizer: str | None = None
     strategy: str = DEFAULT_STRATEGY
-    isolation: str = "fork"
+    isolation: str = defaults.ISOLATION
     gpus: str | Sequence[int] | None = None
     peft: str | None = None
     lora_r: int | None = None

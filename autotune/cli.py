@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import autotune.defaults as defaults
 from autotune.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, AutotuneError, Terminated
 from autotune.interrupts import received_sigterm, sigterm_interrupts
 from autotune.version import __version__
@@ -92,13 +93,13 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--objective", default=None, choices=None,
                    help="rank by tokens (real, non-padding tokens/s) or samples (sequences/s) "
                    "(default: tokens with --trainer, whose batches' lengths vary; samples otherwise)")
-    p.add_argument("--budget", default="30m", help="wall time of the whole run: 90s, 30m, 2h (default: 30m)")
+    p.add_argument("--budget", default=defaults.BUDGET, help=f"wall time of the whole run: 90s, 30m, 2h (default: {defaults.BUDGET})")
     p.add_argument("--n-trials", type=int, default=None, help="at most this many exploring probes (near-tie re-measures come on top)")
-    p.add_argument("--space", default="default", help="built-in space name or YAML path (default: default)")
+    p.add_argument("--space", default=defaults.SPACE, help=f"built-in space name or YAML path (default: {defaults.SPACE})")
     p.add_argument("--memory-ceiling", default=None, help="e.g. 40GiB or 0.8 of the device (default: 95%% of it)")
     p.add_argument("--effective-batch-size", type=int, default=None, help="keep batch x accumulation = N")
     p.add_argument("--seq-len", type=int, default=None, help=f"tokens per sample (default: {DEFAULT_SEQ_LEN})")
-    p.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu (default: auto)")
+    p.add_argument("--device", default=defaults.DEVICE, help=f"auto, cuda, cuda:N or cpu (default: {defaults.DEVICE})")
     p.add_argument("--storage", default=None,
                    help=f"sqlite:///FILE, postgresql://user@host/db, journal:///FILE.log or another Optuna storage URL "
                    f"(default: {DEFAULT_STORAGE}; with --gpus {WORKERS_STORAGE})")
@@ -107,17 +108,18 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--study", default=None, help="study name; the same name resumes (default: from model/seq-len/device)")
     p.add_argument("--output", "-o", default=None, help="write the best configuration as TrainingArguments JSON")
     p.add_argument("--report-dir", default="reports", help="where <study>.html goes (default: reports)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--trial-timeout", default="15m", help="deadline of one probe (default: 15m)")
-    p.add_argument("--warmup-steps", type=int, default=3, help="optimizer steps before timing (default: 3)")
-    p.add_argument("--measure-steps", type=int, default=8, help="fewest optimizer steps timed; more until stable (default: 8)")
+    p.add_argument("--seed", type=int, default=defaults.SEED)
+    p.add_argument("--trial-timeout", default=defaults.TRIAL_TIMEOUT, help=f"deadline of one probe (default: {defaults.TRIAL_TIMEOUT})")
+    p.add_argument("--warmup-steps", type=int, default=defaults.WARMUP_STEPS, help=f"optimizer steps before timing (default: {defaults.WARMUP_STEPS})")
+    p.add_argument("--measure-steps", type=int, default=defaults.MEASURE_STEPS,
+                   help=f"fewest optimizer steps timed; more until stable (default: {defaults.MEASURE_STEPS})")
     p.add_argument("--dataset", default=None, help="train probes on this .jsonl/.csv/.parquet/.txt file (default: synthetic tokens)")
-    p.add_argument("--text-column", default="text", help="the dataset's text column (default: text)")
+    p.add_argument("--text-column", default=defaults.TEXT_COLUMN, help=f"the dataset's text column (default: {defaults.TEXT_COLUMN})")
     p.add_argument("--tokenizer", default=None, help="tokenizer dir or hub id for --dataset (default: the model's)")
     p.add_argument(
-        "--isolation", default="fork",
+        "--isolation", default=defaults.ISOLATION,
         help="how each probe's process starts: fork (from a pre-imported, CUDA-clean probe server) or cold "
-        "(a new interpreter each; slower) (default: fork)",
+        f"(a new interpreter each; slower) (default: {defaults.ISOLATION})",
     )
     _add_strategy_flag(p)
     _add_peft_flags(p)
@@ -221,7 +223,7 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--storage", required=True, help="the storage of the study (the URL `autotune run` used)")
     p.add_argument("--study", required=True, help="the study name (see `autotune list`)")
-    p.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu (default: auto)")
+    p.add_argument("--device", default=defaults.DEVICE, help=f"auto, cuda, cuda:N or cpu (default: {defaults.DEVICE})")
     p.add_argument("--gpus", default=None, help="one worker per GPU of this machine: 0,1 or all")
     p.add_argument("--budget", default=None, help="work this long (default: until the study's shared budget ends)")
     p.add_argument("--n-trials", type=int, default=None, help="at most this many exploring probes")
@@ -325,7 +327,7 @@ def _add_replay(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--budget", default="30m", help="virtual time of the search (default: 30m)")
     p.add_argument("--memory-ceiling", default="40GiB", help="peak memory allowed (default: 40GiB)")
     p.add_argument("--space", default=None, help="space name or YAML path (default: the table's own columns and values)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=defaults.SEED)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     _add_strategy_flag(p)
     p.set_defaults(func=cmd_replay)

@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import autotune.defaults as defaults
 from autotune.params import TrialParams
 
 DeviceKind = Literal["cuda", "cpu"]
@@ -67,8 +68,8 @@ class ProbeSpec:
     params: TrialParams
     seq_len: int
     device: str = "cpu"  # "cpu" or "cuda[:N]"
-    warmup_steps: int = 3  # optimizer steps excluded from timing (compilation, first allocations)
-    measure_steps: int = 8  # the minimum number of optimizer steps timed
+    warmup_steps: int = defaults.WARMUP_STEPS  # optimizer steps excluded from timing (compilation, first allocations)
+    measure_steps: int = defaults.MEASURE_STEPS  # the minimum number of optimizer steps timed
     max_measure_steps: int | None = None  # keep measuring until stable, up to this (None: measure_steps, fixed)
     max_measure_s: float = 30.0  # ... or until this much measured time
     target_ci_rel: float = 0.02  # stable when the 95% CI of the mean step time is within +-2%

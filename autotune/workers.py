@@ -31,11 +31,13 @@ from typing import Any
 
 import optuna
 
+import autotune.defaults as defaults
 import autotune.studies as studies
 from autotune.errors import EXIT_INTERRUPTED, EXIT_NO_RESULT, EXIT_NOTHING_FITS, EXIT_TERMINATED, DeviceError, UsageError
 from autotune.params import TrialParams
 from autotune.records import ProbeStatus
 from autotune.search.loop import SearchOutcome, TrialRecord
+from autotune.search.strategies.registry import DEFAULT_STRATEGY
 from autotune.space import SearchSpace
 
 PARENT_RUN_ENV = "AUTOTUNE_PARENT_RUN"  # set for workers that `autotune run --gpus` starts: they die with it
@@ -113,10 +115,10 @@ def options_for_worker(
         model=None if trainer else settings["model"], trainer=trainer, budget=budget, n_trials=n_trials, space=SearchSpace.from_dict(settings["space"]),
         memory_ceiling=int(settings["memory_ceiling_bytes"]), effective_batch_size=settings.get("effective_batch_size"),
         seq_len=None if trainer else int(settings["seq_len"]), device=device, storage=storage, study=study,
-        seed=int(probe.get("seed", 0)) + seed_offset, trial_timeout=probe.get("trial_timeout_s", "15m"),
-        warmup_steps=int(probe.get("warmup_steps", 3)), measure_steps=int(probe.get("measure_steps", 8)),
-        dataset=dataset.get("path"), text_column=dataset.get("text_column", "text"), tokenizer=dataset.get("tokenizer"),
-        strategy=settings.get("strategy") or "bayes", isolation=probe.get("isolation", "fork"),
+        seed=int(probe.get("seed", 0)) + seed_offset, trial_timeout=probe.get("trial_timeout_s", defaults.TRIAL_TIMEOUT),
+        warmup_steps=int(probe.get("warmup_steps", defaults.WARMUP_STEPS)), measure_steps=int(probe.get("measure_steps", defaults.MEASURE_STEPS)),
+        dataset=dataset.get("path"), text_column=dataset.get("text_column", defaults.TEXT_COLUMN), tokenizer=dataset.get("tokenizer"),
+        strategy=settings.get("strategy") or DEFAULT_STRATEGY, isolation=probe.get("isolation", defaults.ISOLATION),
         peft=peft.get("method"), lora_r=peft.get("r"), lora_alpha=peft.get("alpha"), lora_dropout=peft.get("dropout"),
         lora_target_modules=list(targets) if targets else None,
         trainer_args=trainer_args, objective=objective, baseline=_baseline_fields(settings.get("baseline")),

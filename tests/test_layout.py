@@ -24,7 +24,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "autotune"
 # `probe` share a layer and must not import each other: the parent side and the child side meet
 # only in `api` (the probe evaluator behind the search loop's Evaluator interface).
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("autotune.version", "autotune.errors", "autotune.units", "autotune.interrupts"),
+    ("autotune.version", "autotune.errors", "autotune.units", "autotune.interrupts", "autotune.defaults"),
     ("autotune.params",),
     ("autotune.records", "autotune.config_fields"),
     ("autotune.space", "autotune.models", "autotune.data", "autotune.lora"),
@@ -166,7 +166,7 @@ def test_a_replayed_search_never_imports_torch() -> None:
         "import importlib, sys\n"
         f"for name in {search_modules!r}: importlib.import_module(name)\n"
         "from autotune.search.replay import load_table, replay_search\n"
-        f"outcome = replay_search(load_table({str(table)!r}), budget_s=900, memory_ceiling_bytes=16 * 2**30, strategy='frontier')\n"
+        f"outcome = replay_search(load_table({str(table)!r}), budget_s=900, memory_ceiling_bytes=16 * 2**30, strategy='bayes')\n"
         "assert outcome.best_params is not None, outcome\n"
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
     )

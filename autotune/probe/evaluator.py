@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import autotune.defaults as defaults
 from autotune.params import TrialParams
 from autotune.probe.interference import interference
 from autotune.probe.isolation import (
@@ -37,8 +38,8 @@ class ProbeEvaluator:
     seq_len: int
     device: str  # "cpu", or "cuda[:N]" (N: the parent's view, CUDA_VISIBLE_DEVICES applied)
     memory_ceiling_bytes: int | None = None
-    warmup_steps: int = 3
-    measure_steps: int = 8  # the minimum; measuring goes on until the mean step time is stable
+    warmup_steps: int = defaults.WARMUP_STEPS
+    measure_steps: int = defaults.MEASURE_STEPS  # the minimum; measuring goes on until the mean step time is stable
     seed: int = 0
     dataset: dict[str, Any] | None = None  # DatasetSpec.to_dict(); None: synthetic tokens
     max_measure_steps: int = 50

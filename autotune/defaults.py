@@ -1,0 +1,14 @@
+"""The run's defaults, declared once: ``RunOptions``, the CLI's flags, a worker rebuilding a study's
+options and the probe read them from here."""
+
+from __future__ import annotations
+
+BUDGET = "30m"  # wall time of the whole run
+SPACE = "default"  # the built-in search space
+DEVICE = "auto"
+SEED = 0
+TRIAL_TIMEOUT = "15m"  # the deadline of one probe
+WARMUP_STEPS = 3  # optimizer steps before timing starts (compilation happens there)
+MEASURE_STEPS = 8  # the fewest optimizer steps timed; more until the step time is stable
+ISOLATION = "fork"  # each probe forked from the CUDA-clean probe server ("cold": a new interpreter)
+TEXT_COLUMN = "text"  # a --dataset's text column
