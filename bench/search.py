@@ -1,7 +1,7 @@
 """Benchmark the search strategies on replay tables or on a family of landscapes: how close to the true optimum, at what cost.
 
     python -m bench.search                                   # the shipped synthetic tables, 20 seeds
-    python -m bench.search TABLE.csv.gz:40GiB --seeds 5 --strategies frontier,tpe
+    python -m bench.search TABLE.csv.gz:40GiB --seeds 5 --strategies bayes,tpe
     autotune bench-search ...                                 # the same
     python -m bench.search --family design --draws 200 --budgets 10m,30m,60m   # the family (bench/family.py)
     python -m bench.search --family heldout --draws 200 --budgets 10m,30m,60m  # only once the design is frozen
@@ -103,7 +103,7 @@ DEFAULT_TABLES = (
     f"{DATA / 'landscape_pythia-160m-l4.csv.gz'}:16GiB",
     f"{DATA / 'landscape_llama-1b-a10g.csv.gz'}:22GiB",
 )
-STRATEGY_NAMES = ("bayes", "frontier", "tpe", "random")
+STRATEGY_NAMES = ("bayes", "tpe", "random")
 GPU_REPORTS = Path(__file__).resolve().parent.parent / "reports" / "gpu"
 GPU_SEEDS = 5  # family mode: seeds per GPU-recorded table and budget
 # Further held-out ranges: heldoutN starts at draw N x bench.family.RANGE_SPAN (heldout, from

@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n-trials", type=int, default=6)
     parser.add_argument("--budget-s", type=float, default=None)
     parser.add_argument("--probe-s", type=float, default=0.3)
-    parser.add_argument("--strategy", default="frontier")
+    parser.add_argument("--strategy", default="bayes")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--heartbeat-s", type=float, default=0.25)
     parser.add_argument("--grace-s", type=float, default=3.0)

@@ -43,10 +43,10 @@ def test_estimate_table_and_bad_model(capsys) -> None:
 def test_bench_search_last_line_is_a_json_summary(capsys) -> None:
     from bench.search import main as bench_main
 
-    assert bench_main([f"{DATA / 'landscape_tiny.csv'}:40GiB", "--seeds", "2", "--strategies", "frontier,random", "--budget", "30m"]) == 0
+    assert bench_main([f"{DATA / 'landscape_tiny.csv'}:40GiB", "--seeds", "2", "--strategies", "tpe,random", "--budget", "30m"]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     summary = json.loads(last)["tables"]["landscape_tiny"]
-    for strategy in ("frontier", "random"):
+    for strategy in ("tpe", "random"):
         figures = summary[strategy]
         for key in ("median_ratio", "worst_ratio", "median_time_fraction", "oom_probes_total", "returned_over_ceiling"):
             assert key in figures

@@ -47,7 +47,7 @@ def test_wheel_holds_everything_and_runs_without_the_checkout(tmp_path: Path) ->
         "autotune/spaces/default.yaml",
         "autotune/spaces/quick.yaml",
         "autotune/model_configs/tiny-gptneox.json",
-        "autotune/search/strategies/frontier.py",
+        "autotune/search/strategies/bayes/strategy.py",
         "autotune/probe/child.py",
         "autotune/report/html.py",
     } <= expected

@@ -27,7 +27,6 @@ from autotune.search.strategies.bayes import strategy as bayes_strategy
 from autotune.search.strategies.bayes.groups import MemoryEvidence
 from autotune.search.strategies.bayes.strategy import BayesStrategy, pending_probes
 from autotune.search.strategies.failures import COMPILED, CRASH, DIVERGENCE, FailureModel
-from autotune.search.strategies.frontier import FrontierStrategy
 from autotune.search.strategies.registry import DEFAULT_STRATEGY, STRATEGIES, make_strategy
 from autotune.search.strategies.surrogate import Grid, normal_cdf, normal_cdf_given_above
 from autotune.space import SearchSpace, parse_space
@@ -64,8 +63,8 @@ class TestEveryStrategy:
 
 
 def test_unknown_strategy_names_the_known_ones() -> None:
-    with pytest.raises(UsageError, match="did you mean 'frontier'"):
-        make_strategy("fronteir")
+    with pytest.raises(UsageError, match="did you mean 'bayes'"):
+        make_strategy("bayse")
 
 
 class _PruneLarge(Strategy):
@@ -99,65 +98,19 @@ def test_pruned_configurations_are_recorded_with_reason_and_cost_no_time(fake_gp
     assert not frame.loc[frame["status"] == "pruned", "feasible"].any()
 
 
-def test_frontier_prunes_larger_batches_after_an_oom() -> None:
+def test_bayes_prunes_larger_batches_after_an_oom() -> None:
     space = parse_space({"per_device_train_batch_size": [8, 16, 32, 48, 64]})
     state = SearchState(space, 40 * GiB, MemoryModel())
     state.memory.observe(TrialParams(per_device_train_batch_size=32), ProbeResult(status="oom"))
-    strategy = FrontierStrategy()
+    strategy = BayesStrategy()
     assert strategy.prune(TrialParams(per_device_train_batch_size=64), state) == "OOM at batch 32 in the same group"
     assert strategy.prune(TrialParams(per_device_train_batch_size=16), state) is None
-
-
-def _frontier_seeding(fake_gpu, fake: FakeEvaluator, n_trials: int) -> list[TrialParams]:
-    """What ``frontier`` probes in its first ``n_trials`` (the baseline first) on a small space under a 20 GiB ceiling."""
-    space = parse_space({
-        "per_device_train_batch_size": [8, 16, 32, 48, 64],
-        "optim": ["adamw_torch", "adamw_torch_fused"],
-        "attn_implementation": ["eager", "sdpa"],
-        "dataloader_num_workers": [0, 4],
-    }).restrict(fake_gpu)
-    run_search(
-        optuna.create_study(direction="maximize"), space, fake, SearchSettings(memory_ceiling_bytes=20 * GiB, n_trials=n_trials),
-        baseline=baseline_params(), clock=fake.clock, strategy=FrontierStrategy(),
-    )
-    return fake.calls
-
-
-def test_frontier_seeds_an_expert_configuration_at_the_predicted_largest_batch(fake_gpu) -> None:
-    fake = FakeEvaluator(oom_above_bytes=80 * GiB)
-    expert = _frontier_seeding(fake_gpu, fake, n_trials=2)[1]
-    assert (expert.optim, expert.attn_implementation, expert.torch_compile, expert.dataloader_num_workers) == ("adamw_torch_fused", "sdpa", "off", 4)
-    # The baseline measured 5 GiB at batch 8 (FakeEvaluator: 1 GiB + 0.5 GiB/sample). Scaled in
-    # proportion (an upper bound above batch 8), 32 is the largest batch predicted under 20 GiB.
-    assert expert.per_device_train_batch_size == 32
-    assert fake.memory_bytes(expert) <= 20 * GiB
-
-
-@dataclass
-class _HungrierExpert(FakeEvaluator):
-    """:class:`FakeEvaluator` whose fused-AdamW group holds 0.6 GiB per sample, not 0.5."""
-
-    def memory_bytes(self, params: TrialParams) -> int:  # type: ignore[override]
-        extra = 0.1 * GiB * params.per_device_train_batch_size if params.optim == "adamw_torch_fused" else 0.0
-        return int(FakeEvaluator.memory_bytes(params) + extra)
-
-
-def test_frontier_seeds_the_expert_again_below_the_ceiling_it_went_over(fake_gpu) -> None:
-    # The expert lands at batch 32 and peaks at 20.2 GiB: it ran, over the 20 GiB ceiling. It was
-    # taken as done (it ran), so the expert's precision, kernel and optimizer were never measured
-    # at a batch that fits (on the pythia-160m L4 table, once the memory model fitted the CUDA
-    # context apart, frontier returned fp32 at 0.28 of the best).
-    fake = _HungrierExpert(oom_above_bytes=80 * GiB)
-    expert, again = _frontier_seeding(fake_gpu, fake, n_trials=3)[1:3]
-    assert expert.per_device_train_batch_size == 32 and fake.memory_bytes(expert) > 20 * GiB
-    assert again == expert.replace(per_device_train_batch_size=again.per_device_train_batch_size)
-    assert again.per_device_train_batch_size < 32 and fake.memory_bytes(again) <= 20 * GiB
 
 
 @pytest.mark.parametrize("table, ceiling", [
     ("landscape_gptneox-1.3b-a100.csv.gz", 40), ("landscape_pythia-160m-l4.csv.gz", 16), ("landscape_llama-1b-a10g.csv.gz", 22),
 ])
-def test_frontier_and_bayes_beat_plain_tpe_on_the_synthetic_landscapes(table, ceiling) -> None:
+def test_bayes_beats_plain_tpe_on_the_synthetic_landscapes(table, ceiling) -> None:
     loaded = load_table(DATA / table)
     true_best = loaded.best_under(ceiling * GiB)["samples_per_s"]
     tpe = replay_search(loaded, budget_s=1800, memory_ceiling_bytes=ceiling * GiB, strategy="tpe", seed=0)
@@ -165,7 +118,7 @@ def test_frontier_and_bayes_beat_plain_tpe_on_the_synthetic_landscapes(table, ce
     # pair effect the step-time model does not hold; once its sd is calibrated (round 13) it trusts
     # the uncompiled comparison and returns sdpa compiled, 0.888 of the best (0.968 before). These
     # hand-built tables are a check that nothing broke; the family judges the search.
-    for strategy, least_ratio in (("frontier", 0.95), ("bayes", 0.85)):
+    for strategy, least_ratio in (("bayes", 0.85),):
         found = replay_search(loaded, budget_s=1800, memory_ceiling_bytes=ceiling * GiB, strategy=strategy, seed=0)
         assert found.best_samples_per_s / true_best >= least_ratio, strategy
         assert found.best_peak_mem_bytes <= ceiling * GiB, strategy
@@ -623,11 +576,9 @@ def test_the_surrogate_predicts_the_whole_grid_as_its_features_say() -> None:
         assert sd.reshape(-1)[index] == pytest.approx(s, abs=1e-4)
 
 
-def test_bayes_and_frontier_treat_tf32_on_top_of_mixed_precision_as_its_16_bit_base():
+def test_bayes_treats_tf32_on_top_of_mixed_precision_as_its_16_bit_base():
     """bf16+tf32 / fp16+tf32 store weights, activations and optimizer state as bf16 / fp16 do: the
-    bayes memory kernels put them in the mixed-precision class, their prior is their base's, and the
-    frontier orders each right after its base."""
-    from autotune.search.strategies import frontier
+    bayes memory kernels put them in the mixed-precision class, and their prior is their base's."""
     from autotune.search.strategies.bayes import features, groups
 
     assert groups.precision_class("bf16+tf32") == groups.precision_class("bf16") == "amp"
@@ -635,8 +586,6 @@ def test_bayes_and_frontier_treat_tf32_on_top_of_mixed_precision_as_its_16_bit_b
     assert groups.precision_class("tf32") == groups.precision_class("fp32") == "fp32"
     assert features.PRIOR["precision"]["bf16+tf32"] == features.PRIOR["precision"]["bf16"]
     assert "fp16+tf32" in features.KINDS["precision"]["16-bit"]
-    order = frontier._PREFERRED["precision"]
-    assert order.index("bf16+tf32") == order.index("bf16") + 1 and order.index("fp16+tf32") == order.index("fp16") + 1
 
 
 def test_a_normal_given_a_correlated_normal_above_a_bound_matches_closed_forms() -> None:

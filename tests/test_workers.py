@@ -162,7 +162,8 @@ def test_a_killed_worker_is_failed_and_its_configuration_probed_once_more(
 
     started_s = time.monotonic()
     gpu = SleepingGPU(oom_above_bytes=OOM_ABOVE_BYTES, sleep_s=0.3)
-    run_search(study, quick, gpu, _settings(n_trials=10), baseline=quick.baseline(), strategy=make_strategy("frontier"))
+    # TPE: no memory model, so the retry is probed, not pruned as bayes may once its model says it cannot fit.
+    run_search(study, quick, gpu, _settings(n_trials=10), baseline=quick.baseline(), strategy=make_strategy("tpe"))
     dead = study.get_trials()[hung["trial"]]
     assert dead.state == TrialState.FAIL
     assert studies.ATTR_DIED in dead.user_attrs and dead.user_attrs[studies.ATTR_REUSABLE] is False
@@ -187,7 +188,7 @@ def test_a_run_killed_during_the_baseline_runs_it_again_on_resume(storage: str, 
     assert not studies.has_baseline(study)  # the killed run's baseline never finished
 
     gpu = SleepingGPU(oom_above_bytes=OOM_ABOVE_BYTES, sleep_s=0.0)
-    run_search(study, quick, gpu, _settings(n_trials=2), baseline=quick.baseline(), strategy=make_strategy("frontier"))
+    run_search(study, quick, gpu, _settings(n_trials=2), baseline=quick.baseline(), strategy=make_strategy("bayes"))
     assert gpu.calls[0] == quick.baseline()
     baselines = [t for t in study.get_trials() if studies.is_baseline(t)]
     assert [t.state for t in baselines] == [TrialState.FAIL, TrialState.COMPLETE]
@@ -218,7 +219,7 @@ def test_a_killed_probe_is_retried_once_and_a_second_kill_is_final(kills: int, q
     study = optuna.create_study(direction="maximize")
     gpu = KilledProbes(oom_above_bytes=OOM_ABOVE_BYTES, sleep_s=0.0)
     gpu.kills = kills
-    outcome = run_search(study, quick, gpu, _settings(n_trials=6), strategy=make_strategy("frontier"))
+    outcome = run_search(study, quick, gpu, _settings(n_trials=6), strategy=make_strategy("bayes"))
     assert gpu.victim is not None
     assert gpu.calls.count(gpu.victim) == min(kills, 2) + (kills == 1)  # a second kill is final: never a third probe
     victim = [t for t in study.get_trials() if t.user_attrs.get(studies.ATTR_PARAMS) == gpu.victim.to_dict()]
@@ -285,7 +286,7 @@ def test_a_configuration_running_in_another_worker_is_seen_by_the_strategy(quick
     study = optuna.create_study(direction="maximize")
     elsewhere = _claim(study, quick, quick.baseline(), baseline=True)  # the baseline, running in a live worker
     gpu = SleepingGPU(oom_above_bytes=OOM_ABOVE_BYTES, sleep_s=0.0)
-    run_search(study, quick, gpu, _settings(n_trials=3), baseline=quick.baseline(), strategy=make_strategy("frontier"))
+    run_search(study, quick, gpu, _settings(n_trials=3), baseline=quick.baseline(), strategy=make_strategy("bayes"))
     assert quick.baseline() not in gpu.calls and len(gpu.calls) == 3
     assert study.get_trials()[elsewhere.number].state == TrialState.RUNNING  # alive: its heartbeat is fresh
 

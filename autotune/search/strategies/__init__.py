@@ -4,7 +4,6 @@
 under a model learnt from the probes: throughput (:mod:`.steptime`, a step's time as overhead,
 per-sample work and optimizer step, over the grid of :mod:`.surrogate`), crashes and divergences
 (:mod:`.failures`), memory (the calibrated memory model) and probe cost, and asks every dimension
-near the incumbent at least once (:mod:`.coverage`). ``frontier`` uses the structure of the problem
-as a fixed sequence of moves: memory model, batch-size frontier, coordinate sweeps, compile last.
-``tpe`` and ``random`` (:mod:`.baselines`) are the generic baselines.
+near the incumbent at least once (:mod:`.coverage`). ``tpe`` and ``random`` (:mod:`.baselines`) are
+the generic baselines.
 """

@@ -8,7 +8,7 @@ from autotune.search.strategies.base import Strategy
 
 
 def tpe_sampler(seed: int) -> optuna.samplers.BaseSampler:
-    """Multivariate TPE with the memory constraint (the ``tpe`` strategy; ``frontier`` falls back to it)."""
+    """Multivariate TPE with the memory constraint (the ``tpe`` strategy; ``bayes`` falls back to it)."""
     # Constraints come from each trial's `set_constraint` (Optuna >= 5 reads them from the trial).
     return optuna.samplers.TPESampler(seed=seed, multivariate=True, n_startup_trials=8)
 

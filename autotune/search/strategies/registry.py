@@ -8,10 +8,8 @@ from autotune.errors import UsageError
 from autotune.search.strategies.base import Strategy
 from autotune.search.strategies.baselines import RandomStrategy, TPEStrategy
 from autotune.search.strategies.bayes.strategy import BayesStrategy
-from autotune.search.strategies.frontier import FrontierStrategy
 
-STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (BayesStrategy, FrontierStrategy, TPEStrategy, RandomStrategy)}
-# The default: on landscapes held out from its design it beat frontier at every budget (reports/search_benchmark.md).
+STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (BayesStrategy, TPEStrategy, RandomStrategy)}
 DEFAULT_STRATEGY = BayesStrategy.name
 
 def make_strategy(name: str) -> Strategy:
