@@ -656,11 +656,24 @@ def hold(study: optuna.Study, trial: optuna.Trial, params: TrialParams, holding:
     if holding.state.is_finished():
         record_repeat(study, trial, params, _outcome(holding))
         return
-    trial.set_user_attr(ATTR_PARAMS, params.to_dict())
-    trial.set_user_attr(ATTR_DUPLICATE_OF, holding.number)
-    trial.set_user_attr(ATTR_REASON, f"not run: trial {holding.number} was already probing this configuration")
-    trial.set_user_attr(ATTR_REUSABLE, False)
-    study.tell(trial, state=TrialState.FAIL)
+    with _unless_taken(study, trial):
+        trial.set_user_attr(ATTR_PARAMS, params.to_dict())
+        trial.set_user_attr(ATTR_DUPLICATE_OF, holding.number)
+        trial.set_user_attr(ATTR_REASON, f"not run: trial {holding.number} was already probing this configuration")
+        trial.set_user_attr(ATTR_REUSABLE, False)
+        study.tell(trial, state=TrialState.FAIL)
+
+
+@contextlib.contextmanager
+def _unless_taken(study: optuna.Study, trial: optuna.Trial) -> Iterator[None]:
+    """Writes that record a trial which measured nothing (a repeat, a hold): where another worker
+    failed it meanwhile as dead (this worker was alive but silent past the heartbeat grace, as on a
+    loaded machine), there is nothing to record and nothing lost; any other error is raised."""
+    try:
+        yield
+    except (optuna.exceptions.UpdateFinishedTrialError, ValueError):
+        if not taken(study, trial):
+            raise
 
 
 def _set_memory_constraint(study: optuna.Study, trial: optuna.Trial, value: float) -> None:
@@ -743,16 +756,17 @@ def record_predicted_peak(trial: optuna.Trial, predicted_bytes: int) -> None:
 
 def record_repeat(study: optuna.Study, trial: optuna.Trial, params: TrialParams, original: StoredOutcome) -> None:
     """Tell ``trial`` the outcome already measured for the same configuration, without running it."""
-    trial.set_user_attr(ATTR_PARAMS, params.to_dict())
-    trial.set_user_attr(ATTR_DUPLICATE_OF, original.number)
-    for name, value in original.attrs.items():
-        trial.set_user_attr(name, value)
-    if original.constraint is not None:
-        _set_memory_constraint(study, trial, original.constraint)
-    if original.state == TrialState.COMPLETE:
-        study.tell(trial, original.value)
-    else:
-        study.tell(trial, state=original.state)
+    with _unless_taken(study, trial):
+        trial.set_user_attr(ATTR_PARAMS, params.to_dict())
+        trial.set_user_attr(ATTR_DUPLICATE_OF, original.number)
+        for name, value in original.attrs.items():
+            trial.set_user_attr(name, value)
+        if original.constraint is not None:
+            _set_memory_constraint(study, trial, original.constraint)
+        if original.state == TrialState.COMPLETE:
+            study.tell(trial, original.value)
+        else:
+            study.tell(trial, state=original.state)
 
 
 def record_death(study: optuna.Study, trial: optuna.Trial, params: TrialParams, cause: str) -> None:

@@ -257,6 +257,24 @@ def test_the_lowest_numbered_claim_holds_a_configuration_and_the_other_is_no_pro
     assert studies.stored_probes(study) == [] and studies.reusable_outcomes(study) == {}
 
 
+def test_a_held_trial_that_another_worker_failed_as_dead_meanwhile_is_left_as_it_is(quick: SearchSpace) -> None:
+    # Under load a worker can be silent past the heartbeat grace while it decides to hold: another
+    # worker fails its trial as dead, and recording the hold then met UpdateFinishedTrialError.
+    study = optuna.create_study(direction="maximize")
+    params = quick.baseline()
+    first, second, third = (_claim(study, quick, params) for _ in range(3))
+    holding = studies.holder(study, second)
+    assert holding is not None and holding.number == first.number
+    for trial in (second, third):
+        study._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)  # what the dead-trial sweep does
+    studies.hold(study, second, params, holding)  # a running holder: named as duplicate
+    study.tell(first, 1.0)
+    studies.hold(study, third, params, study.get_trials()[first.number])  # a finished one: its outcome repeated
+    for trial in (second, third):
+        left = study.get_trials()[trial.number]
+        assert left.state == TrialState.FAIL and studies.ATTR_DUPLICATE_OF not in left.user_attrs
+
+
 def test_a_popped_trial_yields_to_any_other_claim(quick: SearchSpace) -> None:
     study = optuna.create_study(direction="maximize")
     params = quick.baseline()
