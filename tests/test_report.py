@@ -98,8 +98,17 @@ def test_numbers_are_formatted_with_units(result) -> None:
     assert summary["Memory ceiling"] == "12.00 GiB" and summary["Sequence length"] == "128 tokens"
     assert summary["Parameters"] == "1.45 M"
     assert "driver 570.00" in summary["Device details"] and "CUDA 12.8" in summary["Device details"]
-    assert summary["Trials"].startswith("12 ")
+    assert summary["Trials"] == "12"  # no configuration was probed again: nothing said of re-measures
+    assert summary["Time used"].endswith("inside probes")  # no budget stored, none shown
     assert summary["Configurations"].startswith(f"{model.n_configurations}: ")
+
+
+def test_the_time_used_names_each_runs_budget_when_a_study_was_resumed(result) -> None:
+    runs = [{"budget_s": 1800.0, "n_trials": None}, {"budget_s": 1800.0, "n_trials": None}]
+    resumed = dataclasses.replace(result, settings={**result.settings, "runs": runs, "budget_s": 3600.0})
+    assert dict(build_report_model(resumed).summary)["Time used"].endswith("(budget 1h00m over 2 runs: 30m00s + 30m00s)")
+    once = dataclasses.replace(result, settings={**result.settings, "runs": runs[:1], "budget_s": 1800.0})
+    assert dict(build_report_model(once).summary)["Time used"].endswith("(budget 30m00s)")
 
 
 def test_headline_and_speedups(result) -> None:
@@ -411,6 +420,7 @@ def test_a_near_tie_is_ranked_by_its_mean_in_the_report_and_the_console(storage)
     assert model.n_configurations == 3 and model.n_trials == 6  # one row per configuration
     assert _column(model, "n_probes") == ["2", "3", "1"]
     assert sum("(near-tie re-measure)" in p for r in model.rows for p in r.probes) == 3
+    assert dict(model.summary)["Trials"] == "6, 3 of them probing again a configuration within noise of the best"
     assert any("101.0 samples/s" in p for p in model.rows[0].probes)  # the row expands to its probes
     console = Console(width=200, record=True)
     console.print(ranked_table(result))

@@ -456,12 +456,17 @@ def _summary(result: TuneResult, n_trials: int, counts: dict[str, int]) -> tuple
         used = f"{format_duration(span)} from the first probe's start to the last one's end"
         if probes is not None:
             used += f", {format_duration(probes)} inside probes"
-        if s.get("budget_s"):
+        runs = [run["budget_s"] for run in s.get("runs") or [] if run.get("budget_s")]
+        if len(runs) > 1:  # the span then holds the time between the runs too
+            used += f" (budget {format_duration(s['budget_s'])} over {len(runs)} runs: {' + '.join(format_duration(b) for b in runs)})"
+        elif s.get("budget_s"):
             used += f" (budget {format_duration(s['budget_s'])})"
         items.append(("Time used", used))
     total = sum(counts.values())
     items.append(("Configurations", f"{total}: " + ", ".join(f"{n} {OUTCOME_LABELS[o]}" for o, n in counts.items()) if total else "none yet"))
-    items.append(("Trials", f"{n_trials} (a configuration is probed again when it is within noise of the best)" if n_trials else "none yet"))
+    remeasured = int(result.trials["remeasure_of"].notna().sum()) if "remeasure_of" in result.trials else 0
+    again = f", {remeasured} of them probing again a configuration within noise of the best" if remeasured else ""
+    items.append(("Trials", f"{n_trials}{again}" if n_trials else "none yet"))
     if result.stopped_because:
         items.append(("Stopped", result.stopped_because))
     versions = s.get("versions") or {}
