@@ -1,4 +1,4 @@
-"""bayes: comparing the checkpointing groups at equal samples per optimizer step, and the time kept for polishing."""
+"""bayes: the time kept for polishing, and the probe-cost model."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from autotune.params import TrialParams
 from autotune.records import Probe, ProbeResult
 from autotune.search.memory import MemoryModel
 from autotune.search.strategies.base import SearchState
-from autotune.search.strategies.bayes import polish, questions, throughput
+from autotune.search.strategies.bayes import polish, throughput
 from autotune.search.strategies.bayes.cost import probe_costs
 from autotune.search.strategies.bayes.groups import MemoryEvidence
 from autotune.search.strategies.bayes.polish import POLISH_PROBES, POLISH_SHARE
@@ -38,53 +38,6 @@ def _state(history: list[Probe], remaining_s: float | None, *, checkpointing: bo
     memory = MemoryModel()
     memory.observe_all((p.params, p.result) for p in history)
     return SearchState(space, 40 * GiB, memory, history, {p.params.key() for p in history}, remaining_s)
-
-
-def test_the_other_checkpointing_group_is_compared_at_the_incumbents_samples_per_step() -> None:
-    # With checkpointing, batch 32 runs 100 samples/s; without it only batch 4 was measured (80/s),
-    # its optimizer step paid on 4 samples. It is measured accumulating 32 (without a time budget:
-    # at once; with one, once exploring is over, before polishing).
-    history = [_ok(0, 80.0, precision="bf16", per_device_train_batch_size=4),
-               _ok(1, 100.0, precision="bf16", per_device_train_batch_size=32, gradient_checkpointing=True)]
-    strategy = BayesStrategy()
-    early = strategy.propose(_state(history, 7200.0))
-    assert early is not None and not (early.gradient_checkpointing is False and early.per_device_train_batch_size == 4
-                                      and early.gradient_accumulation_steps == 8)
-    for remaining_s in (None, 300.0):
-        proposal = strategy.propose(_state(history, remaining_s))
-        assert proposal is not None
-        assert (proposal.gradient_checkpointing, proposal.per_device_train_batch_size, proposal.gradient_accumulation_steps) == (False, 4, 8)
-        assert (proposal.precision, proposal.torch_compile) == ("bf16", "off")  # only the accumulation changes
-
-
-def test_no_comparison_where_the_other_group_amortises_its_step_as_well_or_was_compared() -> None:
-    as_well = [_ok(0, 80.0, precision="bf16", per_device_train_batch_size=8, gradient_accumulation_steps=4),
-               _ok(1, 100.0, precision="bf16", per_device_train_batch_size=32, gradient_checkpointing=True)]
-    proposal = BayesStrategy().propose(_state(as_well, None))
-    assert proposal is None or not (proposal.gradient_checkpointing is False and proposal.per_device_train_batch_size == 8
-                                    and proposal.gradient_accumulation_steps > 4 and proposal.torch_compile == "off"
-                                    and proposal.precision == "bf16")
-    compared = [_ok(0, 80.0, precision="bf16", per_device_train_batch_size=4),
-                _ok(1, 100.0, precision="bf16", per_device_train_batch_size=32, gradient_checkpointing=True),
-                _ok(2, 70.0, precision="bf16", per_device_train_batch_size=4, gradient_accumulation_steps=8)]
-    strategy = BayesStrategy()
-    state = _state(compared, 1800.0)
-    context = strategy.context(state)
-    allowed = np.ones(context.grid.shape, dtype=bool)
-    allowed.reshape(-1)[[context.grid.flat_index(p.params) for p in compared]] = False
-    evidence = MemoryEvidence.of(context.groups, context.grid, compared, state.ceiling_bytes)
-    assert questions.comparison(context, state, state.feasible(), allowed, evidence, compared) is None
-
-
-def test_a_group_with_no_fit_yet_is_compared_at_a_batch_likely_to_fit() -> None:
-    # Only checkpointing has run; without it, batch 32 went out of memory. The comparison switches
-    # checkpointing off at a smaller batch, accumulating the incumbent's samples per step.
-    history = [_ok(0, 100.0, precision="bf16", per_device_train_batch_size=32, gradient_checkpointing=True),
-               Probe(1, TrialParams(precision="bf16", per_device_train_batch_size=32), ProbeResult(status="oom", wall_s=20.0, setup_s=10.0))]
-    proposal = BayesStrategy().propose(_state(history, None))
-    assert proposal is not None and proposal.gradient_checkpointing is False
-    assert proposal.per_device_train_batch_size < 32
-    assert proposal.per_device_train_batch_size * proposal.gradient_accumulation_steps >= 32
 
 
 def test_the_time_left_for_polishing_goes_to_the_most_valuable_variant_of_the_incumbent_first() -> None:

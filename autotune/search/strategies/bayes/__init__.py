@@ -15,7 +15,7 @@ improvement per expected probe second, ``P(runs | x) x P(fits | x) x EI(x) / E[p
 * **Probe seconds** (:mod:`.cost`): start-up, compilation per mode and the measured window, learnt
   from the probes' own timings. A probe that cannot finish in the time left is not proposed.
 * **Questions asked on purpose** (:mod:`.questions`): every dimension once near the incumbent, the
-  memory groups compared at equal samples per optimizer step, the other 16-bit format once.
+  other 16-bit format once.
 * **Time kept** (:mod:`.polish`): for polishing the best configurations (another compile mode, more
   accumulation, the model's own pick), and for the loop's near-ties.
 * **Several workers**: probes in flight elsewhere count as finished with their likeliest outcome

@@ -3,8 +3,6 @@
 * **Every dimension once near the incumbent** (:func:`coverage_question`, what is unasked:
   :mod:`autotune.search.strategies.coverage`): cheapest first, what the memory model or failures
   rule out skipped.
-* **Memory groups compared at equal samples per optimizer step** (:func:`comparison`):
-  checkpointing lets larger batches fit, and a small batch pays its optimizer step over few samples.
 * **The other 16-bit format, once** (:func:`precision_sibling`): fp16 and bf16 are a prior 2 %
   apart, either can be several percent faster, and the answer carries to every configuration of
   that precision.
@@ -24,7 +22,7 @@ from autotune.search.strategies.base import SearchState
 from autotune.search.strategies.bayes.context import Context
 from autotune.search.strategies.bayes.fit import likely_batch
 from autotune.search.strategies.bayes.groups import MemoryEvidence
-from autotune.search.strategies.surrogate import ACCUM, BATCH
+from autotune.search.strategies.surrogate import BATCH
 
 COVERAGE_SHARE = 0.2  # at most this share of the run's budget is kept for asking every dimension near the incumbent
 # A 16-bit format that failed once keeps P(runs) of about 0.4 in a context its failure does not hold
@@ -69,48 +67,6 @@ def coverage_question(context: Context, state: SearchState, feasible: list[Confi
             break
         kept += cost
     return questions[0][2], questions[0][0], kept
-
-
-def comparison(context: Context, state: SearchState, feasible: list[Configuration], allowed: np.ndarray,
-               evidence: MemoryEvidence, history: list[Probe]) -> int | None:
-    """The other checkpointing group's best configuration accumulating as many samples per optimizer
-    step as the incumbent (its flat grid index), once per group.
-
-    The group without checkpointing runs smaller batches, whose optimizer step weighs more per
-    sample; compared at equal samples per optimizer step the group that looked slower may win, and
-    the throughput model cannot tell a batch's overhead from an optimizer step's until such a probe
-    measures it. Where nothing without checkpointing has fitted yet, the candidate is the best
-    uncompiled configuration with checkpointing off, at the largest batch no larger than its own
-    that is likelier to fit than not. When it runs is the strategy's choice.
-    """
-    grid = context.grid
-    if not feasible or ACCUM not in grid.names or "gradient_checkpointing" not in grid.names:
-        return None
-    incumbent = feasible[0].params
-    target = incumbent.effective_batch_size
-    flat_allowed = allowed.reshape(-1)
-    for value in grid.values["gradient_checkpointing"]:
-        if value == incumbent.gradient_checkpointing:
-            continue
-        if any(p.params.gradient_checkpointing == value and p.params.effective_batch_size >= target for p in history):
-            continue
-        best = next((c.params for c in feasible if c.params.gradient_checkpointing == value), None)
-        if best is None:
-            if value:
-                continue  # checkpointing pays only at larger batches, which the measured group's OOMs say nothing about
-            plain = next((c.params for c in feasible if c.params.torch_compile == "off"), incumbent)
-            likely = likely_batch(context, state, evidence, state.space.with_changes(plain, gradient_checkpointing=value, torch_compile="off"))
-            if likely is None:
-                continue
-            best = state.space.with_changes(likely, **{ACCUM: min(grid.values[ACCUM])})
-        accums = [a for a in sorted(grid.values[ACCUM]) if a >= best.gradient_accumulation_steps]
-        accum = next((a for a in accums if a * best.per_device_train_batch_size >= target), accums[-1] if accums else None)
-        if accum is None:
-            continue
-        index = grid.flat_index(state.space.with_changes(best, **{ACCUM: accum}))
-        if index is not None and flat_allowed[index]:
-            return index
-    return None
 
 
 def precision_sibling(context: Context, state: SearchState, feasible: list[Configuration], allowed: np.ndarray,

@@ -99,21 +99,10 @@ class BayesStrategy(Strategy):
         sibling = questions.precision_sibling(context, state, feasible, allowed, history, p_ok, mean, evidence)
         if sibling is not None:
             return grid.params_at(sibling)
-        compare = questions.comparison(context, state, feasible, allowed, evidence, history)
-        if compare is not None and state.remaining_s is None:
-            return grid.params_at(compare)
         gain = throughput.gain(context, feasible, mean, sd, cap, allowed)
         if state.remaining_s is not None:
             # A probe that would eat into the time kept for polishing is not started.
             reserve, polishing, order = polish.polish_reserve(context, state, feasible, (mean, sd, cap), p_ok, cost_ok, allowed, evidence, self._budget_s)
-            if compare is not None:
-                # The groups are compared once exploring has had its time to find each one's best
-                # (what is left is twice what polishing and the comparison need), and the
-                # comparison's time is kept meanwhile.
-                compare_s = float(np.broadcast_to(cost_ok, grid.shape).reshape(-1)[compare])
-                if state.remaining_s <= 2.0 * (reserve + compare_s):
-                    return grid.params_at(compare)
-                reserve += compare_s
             # Every dimension asked once near the incumbent, cheapest first: its time is kept like
             # polishing's, and it is asked at once where precisions tie.
             tie = coverage.tie_across_precisions(feasible)
