@@ -45,9 +45,10 @@ strategy), ``heldout12`` = draws 1200000-1200199 (defined after round 17, run on
 (defined after round 20, run once after round 22); ``heldout16`` = draws 1600000-1600199 (defined in round 22, run once on its final strategy);
 ``heldout17`` = draws 1700000-1700199 (run once on it too, a second check); ``heldout18`` = draws
 1800000-1800199 (run once when #44 was filed: design data since); ``heldout19`` = draws 1900000-1900199
-(defined with family version 2 for #44, untouched until its final code). Each range is drawn by the
+(defined with family version 2 for #44, untouched until its final code); ``heldout20`` = draws
+2000000-2000199 (defined for the simplified ``bayes`` package, run once on its final code). Each range is drawn by the
 generator of its time (``bench.family.FAMILY_VERSION``, part of every draw's seed: version 2 redrew them
-all); ``heldout2`` to ``heldout19`` are defined here
+all); ``heldout2`` to ``heldout20`` are defined here
 (``heldoutN`` starts at draw N x 100,000), not in ``bench.family``.
 
 Family mode runs one search per strategy, draw and budget (separate searches, seed = the draw's
@@ -109,7 +110,7 @@ GPU_SEEDS = 5  # family mode: seeds per GPU-recorded table and budget
 # Further held-out ranges: heldoutN starts at draw N x bench.family.RANGE_SPAN (heldout, from
 # bench.family, is the first). Each was added when the one before it had been seen, and is run once a
 # design is frozen.
-LAST_HELDOUT = 19  # heldout19 (1900000-...): defined for #44 (family version 2), run once on its final code
+LAST_HELDOUT = 20  # heldout19 (1900000-...): defined for #44 (family version 2), run once on its final code; heldout20: for the simplified package (2026-11-27)
 LOW_RATIO = 0.95  # #14's target for the 5th percentile: draws below it are counted ("<0.95")
 CHANGED = 0.005  # --compare: a draw whose ratio moved more than this changed
 BOOTSTRAP_RESAMPLES = 2000
@@ -126,7 +127,7 @@ def noise_stream_problem(stream: int) -> str | None:
 
 
 def family_ranges() -> dict[str, int]:
-    """``{range name: first draw}``: ``design``, ``heldout`` (from bench.family), ``heldout2`` to ``heldout19``,
+    """``{range name: first draw}``: ``design``, ``heldout`` (from bench.family), ``heldout2`` to ``heldout20``,
     and the second generator's held-out ranges (``gen2-heldout``, ... from bench.landscapes2)."""
     from bench.family import RANGE_SPAN, RANGES
     from bench.landscapes2 import RANGES as GEN2_RANGES
@@ -347,7 +348,7 @@ def _gen2_task(task: tuple[str, int, float, int, int]) -> dict[str, Any]:
 
 
 def bench_family(family: str, draws: int, strategies: list[str], budgets_s: list[float], processes: int, noise_stream: int = 0) -> list[dict[str, Any]]:
-    """Every strategy x budget on ``draws`` landscapes of the range ``family`` (``design``, ``heldout``, ``heldout2`` to ``heldout19``;
+    """Every strategy x budget on ``draws`` landscapes of the range ``family`` (``design``, ``heldout``, ``heldout2`` to ``heldout20``;
     ``gen2-*``: the second generator, whose rows also score the expert rule's configuration)."""
     start = family_ranges()[family]
     tasks = [(strategy, start + i, budget_s, i, noise_stream) for i in range(draws) for strategy in strategies for budget_s in budgets_s]
