@@ -41,9 +41,9 @@ from autotune.version import __version__
 if TYPE_CHECKING:
     from autotune.probe.isolation import IsolationMode
 
-DEFAULT_MODEL = "tiny-gptneox"
-DEFAULT_SEQ_LEN = 512
-WORKERS_STORAGE = "journal:///autotune.journal.log"  # --gpus: a file several processes share without a server
+DEFAULT_MODEL = defaults.MODEL
+DEFAULT_SEQ_LEN = defaults.SEQ_LEN
+WORKERS_STORAGE = defaults.WORKERS_STORAGE
 FINISH_RESERVE_S = 3.0  # of the budget (at most 10% of it), for loading the result and writing the report
 CEILING_SAFETY_FRACTION = 0.95  # leave 5% of the device below the ceiling for the user's real run
 # --isolation: how each probe's process starts -> autotune.probe.isolation's mode.

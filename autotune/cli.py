@@ -69,8 +69,6 @@ def _epilog(command: str) -> str:
 
 
 def _add_run(sub: argparse._SubParsersAction) -> None:
-    from autotune.api import DEFAULT_MODEL, DEFAULT_SEQ_LEN, WORKERS_STORAGE
-    from autotune.studies import DEFAULT_STORAGE
 
     p = sub.add_parser(
         "run",
@@ -79,7 +77,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
         epilog=_epilog("run"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", default=None, help=f"built-in name, hub id or local dir (default: {DEFAULT_MODEL})")
+    p.add_argument("--model", default=None, help=f"built-in name, hub id or local dir (default: {defaults.MODEL})")
     p.add_argument("--trainer", default=None,
                    help="your own training instead of --model: FILE.py:FUNC or package.module:FUNC, a function FUNC(argv) "
                    "that parses argv with your parser (HfArgumentParser, TrlParser) and returns your transformers.Trainer "
@@ -98,11 +96,11 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--space", default=defaults.SPACE, help=f"built-in space name or YAML path (default: {defaults.SPACE})")
     p.add_argument("--memory-ceiling", default=None, help="e.g. 40GiB or 0.8 of the device (default: 95%% of it)")
     p.add_argument("--effective-batch-size", type=int, default=None, help="keep batch x accumulation = N")
-    p.add_argument("--seq-len", type=int, default=None, help=f"tokens per sample (default: {DEFAULT_SEQ_LEN})")
+    p.add_argument("--seq-len", type=int, default=None, help=f"tokens per sample (default: {defaults.SEQ_LEN})")
     p.add_argument("--device", default=defaults.DEVICE, help=f"auto, cuda, cuda:N or cpu (default: {defaults.DEVICE})")
     p.add_argument("--storage", default=None,
                    help=f"sqlite:///FILE, postgresql://user@host/db, journal:///FILE.log or another Optuna storage URL "
-                   f"(default: {DEFAULT_STORAGE}; with --gpus {WORKERS_STORAGE})")
+                   f"(default: {defaults.STORAGE}; with --gpus {defaults.WORKERS_STORAGE})")
     p.add_argument("--gpus", default=None,
                    help="one worker per GPU on this machine, one search: 0,1,2,3 or all (default: one probe at a time on --device)")
     p.add_argument("--study", default=None, help="study name; the same name resumes (default: from model/seq-len/device)")
@@ -141,11 +139,9 @@ def _add_peft_flags(p: argparse.ArgumentParser, *, dropout: bool = True) -> None
 
 
 def _add_strategy_flag(p: argparse.ArgumentParser) -> None:
-    from autotune.search.strategies.registry import DEFAULT_STRATEGY, STRATEGIES
-
     p.add_argument(
-        "--strategy", default=DEFAULT_STRATEGY,
-        help=f"search strategy: {', '.join(STRATEGIES)} (default: {DEFAULT_STRATEGY}; tpe and random are baselines)",
+        "--strategy", default=defaults.STRATEGY,
+        help=f"search strategy: {', '.join(defaults.STRATEGY_NAMES)} (default: {defaults.STRATEGY}; tpe and random are baselines)",
     )
 
 
@@ -265,7 +261,6 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def _add_estimate(sub: argparse._SubParsersAction) -> None:
-    from autotune.api import DEFAULT_SEQ_LEN
 
     p = sub.add_parser(
         "estimate", help="predicted peak memory and the largest batch that fits, without a GPU",
@@ -274,7 +269,7 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
         epilog=_epilog("estimate"), formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--model", required=True, help="built-in name, hub id or local dir")
-    p.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN, help=f"tokens per sample (default: {DEFAULT_SEQ_LEN})")
+    p.add_argument("--seq-len", type=int, default=defaults.SEQ_LEN, help=f"tokens per sample (default: {defaults.SEQ_LEN})")
     p.add_argument("--device-memory", default="80GiB", help="memory the batch must fit in (default: 80GiB)")
     p.add_argument("--space", default="default", help="space whose precisions, optimizers and batch sizes to tabulate (default: default)")
     p.add_argument("--attn", default="sdpa", help="attention implementation assumed: eager, sdpa, flash_attention_2, flash_attention_3 "
@@ -388,14 +383,13 @@ def cmd_spaces(args: argparse.Namespace) -> int:
 
 
 def _add_study_command(sub: argparse._SubParsersAction, name: str, help_text: str, description: str) -> argparse.ArgumentParser:
-    from autotune.studies import DEFAULT_STORAGE
 
     p = sub.add_parser(name, help=help_text, description=description, epilog=_epilog(name),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     if name != "list":
         p.add_argument("study", metavar="STUDY", help="study name (see `autotune list`)")
-    p.add_argument("--storage", default=DEFAULT_STORAGE,
-                   help=f"sqlite:///FILE, postgresql://user@host/db, journal:///FILE.log or another Optuna storage URL (default: {DEFAULT_STORAGE})")
+    p.add_argument("--storage", default=defaults.STORAGE,
+                   help=f"sqlite:///FILE, postgresql://user@host/db, journal:///FILE.log or another Optuna storage URL (default: {defaults.STORAGE})")
     return p
 
 

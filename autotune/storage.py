@@ -27,9 +27,10 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
+import autotune.defaults as defaults
 from autotune.errors import UsageError
 
-DEFAULT_STORAGE = "sqlite:///autotune.db"
+DEFAULT_STORAGE = defaults.STORAGE
 JOURNAL_PREFIX = "journal:///"
 EXAMPLES = "sqlite:///autotune.db, postgresql://user@host/db or journal:///autotune.log"
 

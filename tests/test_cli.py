@@ -168,6 +168,17 @@ def test_help_lists_examples(capsys) -> None:
     assert "autotune run --model polyglot-ko-1.3b --budget 30m" in capsys.readouterr().out
 
 
+def test_help_imports_neither_the_search_nor_the_data_libraries() -> None:
+    # --help is read often: building the parser must not import optuna, pandas, numpy or torch (a second each).
+    code = ("import sys\nfrom autotune.cli import main\n"
+            "for argv in (['--help'], ['run', '--help'], ['worker', '--help'], ['estimate', '--help'], ['replay', '--help']):\n"
+            "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+            "print(sorted(m for m in ('optuna', 'pandas', 'numpy', 'torch', 'transformers') if m in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
 def test_debug_is_accepted_after_the_subcommand_too(capsys) -> None:
     from autotune.errors import ModelNotFound
 

@@ -62,6 +62,12 @@ class TestEveryStrategy:
         assert len({p.key() for p in calls}) == len(calls)
 
 
+def test_the_cli_names_the_registrys_strategies_and_default() -> None:
+    import autotune.defaults as defaults
+
+    assert tuple(STRATEGIES) == defaults.STRATEGY_NAMES and DEFAULT_STRATEGY in STRATEGIES
+
+
 def test_unknown_strategy_names_the_known_ones() -> None:
     with pytest.raises(UsageError, match="did you mean 'bayes'"):
         make_strategy("bayse")

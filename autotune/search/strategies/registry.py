@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import difflib
 
+import autotune.defaults as defaults
 from autotune.errors import UsageError
 from autotune.search.strategies.base import Strategy
 from autotune.search.strategies.baselines import RandomStrategy, TPEStrategy
 from autotune.search.strategies.bayes.strategy import BayesStrategy
 
 STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (BayesStrategy, TPEStrategy, RandomStrategy)}
-DEFAULT_STRATEGY = BayesStrategy.name
+DEFAULT_STRATEGY = defaults.STRATEGY
 
 def make_strategy(name: str) -> Strategy:
     """A fresh strategy by name.
