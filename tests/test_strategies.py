@@ -706,21 +706,6 @@ def test_bayes_expects_a_fused_twin_out_of_memory_at_the_batch_where_the_other_f
     assert autotuned[2] < 0.06, autotuned
 
 
-def test_bayes_reads_a_twin_groups_fit_off_the_peaks_measured_in_the_group_that_stores_alike() -> None:
-    # Compiled sdpa measured at batch 4 (0.8 of the ceiling) and batch 8 (1.1 of it: over). Flash
-    # attention and max-autotune store like it (fused kernels, compile modes), so their P(fits)
-    # follows those peaks: near certain at batch 4, near nil at batch 8 (the class alone left a
-    # fifth). Eager attention keeps the attention scores: not a twin, its doubt stays the class's.
-    space = parse_space(_TWIN_SPACE)
-    p_fit = _twin_p_fit(space, [_sdpa_probe(space, 0, 4, "inductor", 0.8), _sdpa_probe(space, 1, 8, "inductor", 1.1)])
-
-    for attn, mode in (("flash_attention_2", "inductor"), ("sdpa", "inductor:max-autotune"), ("flash_attention_2", "inductor:max-autotune")):
-        row = p_fit(attn, mode)
-        assert row[1] > 0.95 and row[2] < 0.01, (attn, mode, row)
-    eager = p_fit("eager", "inductor")
-    assert 0.01 < eager[1] < 0.99  # more activations than sdpa, by how much the class does not know yet
-
-
 def test_every_dimension_is_asked_near_the_incumbent() -> None:
     """#44: which dimensions no probe varied next to the incumbent, the variant that asks each, and a
     tie across precisions (the loader, not the precision, sets the pace)."""

@@ -1,9 +1,7 @@
 """P(fits): the calibrated memory model's prediction per memory group against the ceiling, with an
 error that shrinks as the group gets measured.
 
-A group never measured whose twin was (storing alike: fused attention kernels, compile modes, fp16
-and bf16) reads its peaks off the twin's, give or take :data:`TWIN_SD`. Where a group alike went
-over the ceiling against the prediction, the two share part of their error (correlated normals: the
+Where a group alike went over the ceiling against the prediction, the two share part of their error (correlated normals: the
 miss shifts and narrows this group's error), and where a group with no more memory went over at a
 smaller batch, a fit is unlikely (:data:`OOM_IMPLIED`).
 """
@@ -27,10 +25,6 @@ OOM_IMPLIED = 0.05  # P(fits) left where an OOM elsewhere implies this one, give
 # Relative error of a predicted peak, by what was measured: the group's line, one point of it, a
 # group with its activation factors (MemoryModel.class_measured), nothing alike.
 MEMORY_SD = {"line": 0.03, "point": 0.10, "class": 0.10, "none": 0.30}
-# A twin differs from the measured group by what the values it differs in store apart: fused
-# attention kernels and compile modes keep activations within about 5 % of each other; fp16 and
-# bf16 store alike. Relative sd of its peak around the twin's.
-TWIN_SD = 0.03
 
 
 def line(context: Context, state: SearchState, group: int) -> tuple[float, float] | None:
@@ -83,10 +77,6 @@ def _p_fit_row_of(context: Context, state: SearchState, evidence: MemoryEvidence
     margin = np.log(ceiling / np.maximum(model, 1.0)) / sd  # how far under the ceiling the model puts each batch, in sds
     p_fit = normal_cdf(margin)
     if not fits:
-        twins = [t for t in evidence.fits if context.groups.twin[group, t]]
-        if twins:
-            # A measured twin is closer evidence than the class: its peaks, give or take TWIN_SD.
-            p_fit = np.min([_twin_p_fit(context, state, evidence, t) for t in twins], axis=0)
         # The model's log error r on a group it has not measured is ~ N(0, sd^2). Going over the
         # ceiling where it predicted a margin m says that group's error r' > m there (r' ~
         # N(0, sd'^2)); groups alike (similarity w) share errors: r = w r' + what is ours alone,
@@ -109,18 +99,6 @@ def _p_fit_row_of(context: Context, state: SearchState, evidence: MemoryEvidence
         if ratio > 0:
             p_fit = np.where(batches >= batches[j] / ratio, p_fit * OOM_IMPLIED, p_fit)
     return p_fit
-
-
-def _twin_p_fit(context: Context, state: SearchState, evidence: MemoryEvidence, twin: int) -> np.ndarray:
-    """P(fits) along the batch axis for a group that stores like the measured group ``twin``: the
-    twin's peaks where measured, its memory model's line elsewhere, each give or take :data:`TWIN_SD`."""
-    row = _predicted_row(context, state, twin)
-    assert row is not None  # the twin has a measured peak
-    sd = np.full(len(row), math.hypot(TWIN_SD, _memory_sd(context, state, evidence, twin)))
-    row = row.astype(float).copy()
-    for j, peak in evidence.fits[twin].items():
-        row[j], sd[j] = peak, TWIN_SD
-    return normal_cdf(np.log(state.ceiling_bytes / np.maximum(row, 1.0)) / sd)
 
 
 def _misses(context: Context, state: SearchState, evidence: MemoryEvidence) -> dict[int, tuple[float, float]]:

@@ -61,20 +61,6 @@ def _activation_ratio(dim: str, x: Any, y: Any) -> float:
     return 0.5
 
 
-def _twin(dim: str, x: Any, y: Any) -> bool:
-    """Values ``x`` and ``y`` store alike, as far as the memory model tells: 16-bit or 32-bit
-    storage, fused attention kernels, compile modes (but not compiling or not)."""
-    if x == y:
-        return True
-    if dim == "precision":
-        return precision_class(x) == precision_class(y)
-    if dim == "attn_implementation":
-        return "eager" not in (x, y)
-    if dim == "torch_compile":
-        return "off" not in (x, y)
-    return False
-
-
 def _similarity(dim: str, x: Any, y: Any) -> float:
     """How much memory evidence about a group with value ``y`` carries to one with value ``x`` (0..1)."""
     if x == y:
@@ -92,13 +78,13 @@ def _similarity(dim: str, x: Any, y: Any) -> float:
     return 0.5
 
 
-def _pairwise(grid: Grid, dims: tuple[str, ...], codes: np.ndarray, relation: Any, combine: Any, start: Any) -> np.ndarray:
-    """``relation`` of every two groups, combined over the dimensions (groups x groups)."""
-    table = np.full((len(codes), len(codes)), start)
+def _pairwise(grid: Grid, dims: tuple[str, ...], codes: np.ndarray, relation: Any) -> np.ndarray:
+    """``relation`` of every two groups, the product over the dimensions (groups x groups)."""
+    table = np.ones((len(codes), len(codes)))
     for d, dim in enumerate(dims):
         values = grid.values[dim]
         per_dim = np.array([[relation(dim, x, y) for y in values] for x in values])
-        table = combine(table, per_dim[codes[:, d][:, None], codes[:, d][None, :]])
+        table = table * per_dim[codes[:, d][:, None], codes[:, d][None, :]]
     return table
 
 
@@ -112,7 +98,6 @@ class Groups:
     dominance: list[np.ndarray]  # per dim: [i, j] = value i needs no less memory than value j
     similarity: np.ndarray  # groups x groups: how far an OOM in one says something about the other's memory (0..1)
     activation_ratio: np.ndarray  # [g, h]: a lower bound of g's activations per sample over h's (0: g's static may be smaller)
-    twin: np.ndarray  # groups x groups: every value stores alike
 
     @classmethod
     def of(cls, grid: Grid) -> Groups:
@@ -121,10 +106,9 @@ class Groups:
         codes = np.array(list(np.ndindex(*sizes)), dtype=int).reshape(-1, len(dims))
         values = [tuple(grid.values[d][i] for d, i in zip(dims, row)) for row in codes]
         dominance = [np.array([[_needs_no_less(d, x, y) for y in grid.values[d]] for x in grid.values[d]]) for d in dims]
-        similarity = _pairwise(grid, dims, codes, _similarity, np.multiply, 1.0)
-        ratio = _pairwise(grid, dims, codes, _activation_ratio, np.multiply, 1.0)
-        twin = _pairwise(grid, dims, codes, _twin, np.logical_and, True)
-        return cls(dims, codes, values, dominance, similarity, ratio, twin)
+        similarity = _pairwise(grid, dims, codes, _similarity)
+        ratio = _pairwise(grid, dims, codes, _activation_ratio)
+        return cls(dims, codes, values, dominance, similarity, ratio)
 
     def index(self, params: TrialParams, grid: Grid) -> int:
         codes = [grid.values[d].index(getattr(params, d)) for d in self.dims]
