@@ -28,7 +28,7 @@ from autotune.search.strategies.bayes.groups import MemoryEvidence
 from autotune.search.strategies.bayes.strategy import BayesStrategy, pending_probes
 from autotune.search.strategies.failures import COMPILED, CRASH, DIVERGENCE, FailureModel
 from autotune.search.strategies.registry import DEFAULT_STRATEGY, STRATEGIES, make_strategy
-from autotune.search.strategies.surrogate import Grid, normal_cdf, normal_cdf_given_above
+from autotune.search.strategies.surrogate import Grid
 from autotune.space import SearchSpace, parse_space
 from tests.conftest import FakeEvaluator, GiB
 
@@ -592,44 +592,6 @@ def test_bayes_treats_tf32_on_top_of_mixed_precision_as_its_16_bit_base():
     assert groups.precision_class("tf32") == groups.precision_class("fp32") == "fp32"
     assert features.PRIOR["precision"]["bf16+tf32"] == features.PRIOR["precision"]["bf16"]
     assert "fp16+tf32" in features.KINDS["precision"]["16-bit"]
-
-
-def test_a_normal_given_a_correlated_normal_above_a_bound_matches_closed_forms() -> None:
-    a = np.array([-1.0, 0.0, 1.0])
-    assert np.allclose(normal_cdf_given_above(a, 0.5, 0.0), normal_cdf(a), atol=1e-6)  # independent: no effect
-    assert np.allclose(normal_cdf_given_above(a, -50.0, 0.7), normal_cdf(a), atol=1e-6)  # a bound that says nothing
-    truncated = (normal_cdf(a) - normal_cdf(np.array(0.5))) / (1 - normal_cdf(np.array(0.5)))
-    assert np.allclose(normal_cdf_given_above(a, 0.5, 1.0), np.clip(truncated, 0, 1), atol=1e-6)  # the same variable
-    for rho in (0.3, 0.6, 0.9):  # the orthant probability: P(X < 0 | Y > 0) = 1/2 - asin(rho) / pi
-        assert float(normal_cdf_given_above(np.array([0.0]), 0.0, rho)[0]) == pytest.approx(0.5 - math.asin(rho) / math.pi, abs=2e-3)
-    assert float(normal_cdf_given_above(np.array([1.0]), 60.0, 0.5)[0]) == pytest.approx(0.0, abs=1e-9)  # far in the tail: no underflow
-
-
-def test_bayes_shifts_a_fit_by_the_error_a_group_alike_shares_after_its_out_of_memory() -> None:
-    # Checkpointing measured (2 GiB + 0.1 GiB/sample, a line), then out of memory at batch 64 where
-    # it predicted 8.4 GiB under a 9 GiB ceiling: its peak was underestimated by more than 7 %.
-    # The group without checkpointing, never measured (predicted from generic factors, 30 % error),
-    # shares that error: its P(fits) at batch 8 falls a little, not to a certain overflow.
-    space = parse_space({"per_device_train_batch_size": [4, 8, 16, 32, 64], "gradient_checkpointing": [False, True], "precision": ["bf16"]})
-
-    def probe(number: int, batch: int, status: str = "ok") -> Probe:
-        params = TrialParams(precision="bf16", per_device_train_batch_size=batch, gradient_checkpointing=True)
-        if status == "oom":
-            return Probe(number, params, ProbeResult(status="oom"))
-        return Probe(number, params, ProbeResult(status="ok", samples_per_s=10.0, peak_mem_bytes=2 * GiB + batch * GiB // 10))
-
-    def p_fit_at_8(history: list[Probe]) -> float:
-        memory = MemoryModel()
-        memory.observe_all((p.params, p.result) for p in history)
-        state = SearchState(space, 9 * GiB, memory, history, {p.params.key() for p in history}, remaining_s=3600.0)
-        strategy = BayesStrategy()
-        context = strategy.context(state)
-        evidence = MemoryEvidence.of(context.groups, context.grid, history, state.ceiling_bytes)
-        return float(fit.p_fit_row(context, state, evidence, context.groups.index(TrialParams(precision="bf16"), context.grid))[1])
-
-    measured = [probe(0, 8), probe(1, 16)]
-    before, after = p_fit_at_8(measured), p_fit_at_8([*measured, probe(2, 64, "oom")])
-    assert 0.5 < after < before
 
 
 @pytest.mark.parametrize("acts_on", ["overhead", "per_sample"])

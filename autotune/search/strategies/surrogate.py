@@ -4,8 +4,7 @@
 broadcastable arrays. A model's features come in blocks (:class:`Block`: features depending on the same
 few dimensions, a tensor over those axes), so predictions over the whole grid (~90,000 points) are
 sums of small tensors broadcast into the grid (:class:`TermSum`), never a grid-sized feature matrix.
-Normal-distribution helpers (CDF, a CDF conditioned on a correlated variable's tail, expected
-improvement) close it.
+Normal-distribution helpers (CDF, expected improvement) close it.
 """
 
 from __future__ import annotations
@@ -179,29 +178,6 @@ def normal_cdf(z: np.ndarray) -> np.ndarray:
 
 def normal_pdf(z: np.ndarray) -> np.ndarray:
     return np.exp(-0.5 * z * z) / math.sqrt(2.0 * math.pi)
-
-
-_TAIL_NODES = 128  # quadrature points over the conditioning variable's tail
-_TAIL_SPAN = 8.0  # standard deviations of that tail integrated (beyond them the density is < 1e-14)
-
-
-def normal_cdf_given_above(a: np.ndarray, b: float, rho: float) -> np.ndarray:
-    """P(X <= a | Y > b) for standard normals X, Y with correlation ``rho`` (elementwise in ``a``).
-
-    ``rho`` = 1 is the truncated normal (X is Y); otherwise X | Y = y is N(rho y, 1 - rho^2),
-    averaged over Y's tail beyond ``b`` by the trapezoid rule."""
-    a = np.asarray(a, dtype=float)
-    if b <= -_TAIL_SPAN or rho <= 0.0:
-        return normal_cdf(a)  # the condition holds but for a mass under 1e-15, or says nothing about X
-    if rho >= 1.0 - 1e-9:
-        below = float(normal_cdf(np.array(b)))
-        return np.clip((normal_cdf(a) - below) / max(1.0 - below, 1e-12), 0.0, 1.0)
-    y = np.linspace(b, max(b, 0.0) + _TAIL_SPAN, _TAIL_NODES)
-    weights = np.exp(-0.5 * (y * y - float(np.min(y * y))))  # the density up to a factor: no underflow far in the tail
-    weights[[0, -1]] *= 0.5
-    weights = weights / weights.sum()
-    inner = normal_cdf((a[..., None] - rho * y) / math.sqrt(1.0 - rho * rho))
-    return np.clip(inner @ weights, 0.0, 1.0)
 
 
 def expected_improvement(mean: np.ndarray, sd: np.ndarray, best: float | np.ndarray) -> np.ndarray:

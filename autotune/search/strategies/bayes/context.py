@@ -35,7 +35,6 @@ class Context:
     lines: dict[int, tuple[float, float] | None] = field(default_factory=dict)  # per group, for one history length
     lines_at: int = -1
     p_fit_rows: dict[int, np.ndarray] = field(default_factory=dict)  # per group, for the evidence, ceiling and lines in p_fit_for
-    p_fit_misses: dict[int, tuple[float, float]] | None = None  # per group gone over the ceiling: its largest margin missed (sds), its sd
     p_fit_for: tuple[Any, ...] = (None, -1, -1)
     p_ok: dict[str, tuple[tuple[Any, ...], np.ndarray]] = field(default_factory=dict)  # per kind of failure, its last prediction by its key
     flat_of_key: dict[tuple[Any, ...], int | None] = field(default_factory=dict)

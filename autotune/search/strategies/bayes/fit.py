@@ -1,14 +1,10 @@
 """P(fits): the calibrated memory model's prediction per memory group against the ceiling, with an
-error that shrinks as the group gets measured.
-
-Where a group alike went over the ceiling against the prediction, the two share part of their error (correlated normals: the
-miss shifts and narrows this group's error), and where a group with no more memory went over at a
-smaller batch, a fit is unlikely (:data:`OOM_IMPLIED`).
+error that shrinks as the group gets measured (:data:`MEMORY_SD`). Where a group needing no more
+memory went over the ceiling at a smaller batch, a fit is unlikely (:data:`OOM_IMPLIED`).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +15,7 @@ from autotune.search.memory import PRUNE_MARGIN, UNCALIBRATED_PRUNE_MARGIN
 from autotune.search.strategies.base import SearchState
 from autotune.search.strategies.bayes.context import Context
 from autotune.search.strategies.bayes.groups import MemoryEvidence
-from autotune.search.strategies.surrogate import BATCH, normal_cdf, normal_cdf_given_above
+from autotune.search.strategies.surrogate import BATCH, normal_cdf
 
 OOM_IMPLIED = 0.05  # P(fits) left where an OOM elsewhere implies this one, given plausible activation ratios
 # Relative error of a predicted peak, by what was measured: the group's line, one point of it, a
@@ -59,7 +55,7 @@ def p_fit_row(context: Context, state: SearchState, evidence: MemoryEvidence, gr
     the ceiling and the memory model's lines stay the same, as they do through one proposal)."""
     held, ceiling, lines_at = context.p_fit_for
     if held is not evidence or (ceiling, lines_at) != (state.ceiling_bytes, context.lines_at):
-        context.p_fit_rows, context.p_fit_misses, context.p_fit_for = {}, None, (evidence, state.ceiling_bytes, context.lines_at)
+        context.p_fit_rows, context.p_fit_for = {}, (evidence, state.ceiling_bytes, context.lines_at)
     row = context.p_fit_rows.get(group)
     if row is None:
         row = context.p_fit_rows[group] = _p_fit_row_of(context, state, evidence, group)
@@ -76,19 +72,6 @@ def _p_fit_row_of(context: Context, state: SearchState, evidence: MemoryEvidence
     sd = _memory_sd(context, state, evidence, group)
     margin = np.log(ceiling / np.maximum(model, 1.0)) / sd  # how far under the ceiling the model puts each batch, in sds
     p_fit = normal_cdf(margin)
-    if not fits:
-        # The model's log error r on a group it has not measured is ~ N(0, sd^2). Going over the
-        # ceiling where it predicted a margin m says that group's error r' > m there (r' ~
-        # N(0, sd'^2)); groups alike (similarity w) share errors: r = w r' + what is ours alone,
-        # so r and r' correlate by w sd' / sd (at most 1). The least likely fit over those
-        # conditions counts; per group alike, its largest margin missed binds.
-        if context.p_fit_misses is None:
-            context.p_fit_misses = _misses(context, state, evidence)
-        live = p_fit > 1e-12  # a miss alike only lowers P(fits) (rho >= 0): what cannot fit stays so
-        for other, (other_margin, other_sd) in context.p_fit_misses.items():
-            if context.groups.similarity[group, other] > 0:
-                rho = min(1.0, float(context.groups.similarity[group, other]) * other_sd / sd)
-                p_fit[live] = np.minimum(p_fit[live], normal_cdf_given_above(margin[live], other_margin, rho))
     for j, peak in fits.items():
         p_fit[j] = float(peak <= ceiling)
     # Over the ceiling at batch b0 (OOM or measured) in a group with no more static memory,
@@ -99,21 +82,6 @@ def _p_fit_row_of(context: Context, state: SearchState, evidence: MemoryEvidence
         if ratio > 0:
             p_fit = np.where(batches >= batches[j] / ratio, p_fit * OOM_IMPLIED, p_fit)
     return p_fit
-
-
-def _misses(context: Context, state: SearchState, evidence: MemoryEvidence) -> dict[int, tuple[float, float]]:
-    """Per group gone over the ceiling where the memory model has a prediction: the largest margin
-    under the ceiling it predicted there, in its sds, and that sd."""
-    margins: dict[int, float] = {}
-    for other, j in evidence.over:
-        other_row = _predicted_row(context, state, other)
-        if other_row is not None:
-            margins[other] = max(margins.get(other, -math.inf), math.log(state.ceiling_bytes / max(float(other_row[j]), 1.0)))
-    misses = {}
-    for other, margin in margins.items():
-        other_sd = _memory_sd(context, state, evidence, other)
-        misses[other] = (margin / other_sd, other_sd)
-    return misses
 
 
 def _pruned_row(context: Context, state: SearchState, evidence: MemoryEvidence, group: int) -> np.ndarray:

@@ -61,23 +61,6 @@ def _activation_ratio(dim: str, x: Any, y: Any) -> float:
     return 0.5
 
 
-def _similarity(dim: str, x: Any, y: Any) -> float:
-    """How much memory evidence about a group with value ``y`` carries to one with value ``x`` (0..1)."""
-    if x == y:
-        return 1.0
-    if dim == "precision":
-        return 1.0 if precision_class(x) == precision_class(y) else 0.0  # AMP adds a weight copy, halves activations
-    if dim == "optim":
-        return 1.0 if _needs_no_less(dim, x, y) else 0.5
-    if dim == "attn_implementation":
-        return 0.8 if "eager" not in (x, y) else (1.0 if x == "eager" else 0.5)
-    if dim == "torch_compile":
-        return 0.8  # compiled activations differ by some tens of percent
-    if dim == "gradient_checkpointing":
-        return 1.0 if not x else 0.5  # checkpointing frees most activations
-    return 0.5
-
-
 def _pairwise(grid: Grid, dims: tuple[str, ...], codes: np.ndarray, relation: Any) -> np.ndarray:
     """``relation`` of every two groups, the product over the dimensions (groups x groups)."""
     table = np.ones((len(codes), len(codes)))
@@ -96,7 +79,6 @@ class Groups:
     codes: np.ndarray  # groups x dims: value index per dimension
     values: list[tuple[Any, ...]]
     dominance: list[np.ndarray]  # per dim: [i, j] = value i needs no less memory than value j
-    similarity: np.ndarray  # groups x groups: how far an OOM in one says something about the other's memory (0..1)
     activation_ratio: np.ndarray  # [g, h]: a lower bound of g's activations per sample over h's (0: g's static may be smaller)
 
     @classmethod
@@ -106,9 +88,8 @@ class Groups:
         codes = np.array(list(np.ndindex(*sizes)), dtype=int).reshape(-1, len(dims))
         values = [tuple(grid.values[d][i] for d, i in zip(dims, row)) for row in codes]
         dominance = [np.array([[_needs_no_less(d, x, y) for y in grid.values[d]] for x in grid.values[d]]) for d in dims]
-        similarity = _pairwise(grid, dims, codes, _similarity)
         ratio = _pairwise(grid, dims, codes, _activation_ratio)
-        return cls(dims, codes, values, dominance, similarity, ratio)
+        return cls(dims, codes, values, dominance, ratio)
 
     def index(self, params: TrialParams, grid: Grid) -> int:
         codes = [grid.values[d].index(getattr(params, d)) for d in self.dims]
