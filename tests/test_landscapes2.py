@@ -197,6 +197,16 @@ def test_expert_rule_configuration_runs_and_follows_the_rule():
             assert expert.torch_compile == "off"
 
 
+def test_a_draw_where_nothing_of_the_expert_rules_family_runs_is_still_searched_and_scored():
+    # Draw 600096 (gen2-heldout4): no configuration of the rule's family runs under its ceiling.
+    # The harness raised there and lost the whole range's run; the draw counts, with no expert to compare to.
+    with pytest.raises(ValueError, match="nothing of the expert rule's family runs"):
+        expert_params(_draw(600_096))
+    row = search_draw("random", 600_096, 120.0, 0)
+    assert row["expert"] == "" and row["expert_ratio"] == 0.0 and row["draw"] == 600_096
+    assert 0.0 <= row["ratio"] <= 1.0 + 1e-9
+
+
 def test_a_draw_replays_through_autotune_replay():
     d = _draw(900_003)
     table = d.table()
