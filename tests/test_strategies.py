@@ -83,6 +83,31 @@ class _PruneLarge(Strategy):
         return "too large for this test" if params.per_device_train_batch_size >= 32 else None
 
 
+class _PruneAllButTheBaseline(Strategy):
+    name = "prune-all"
+
+    def sampler(self, seed):
+        return optuna.samplers.RandomSampler(seed=seed)
+
+    def prune(self, params, state):
+        return None if params == state.baseline else "nothing runs in this test"
+
+
+def test_a_search_whose_strategy_allows_nothing_stops_instead_of_pruning_the_whole_space(fake_gpu) -> None:
+    # gen2-heldout4's draw 600096: nothing of the space could run; bayes proposed nothing and pruned
+    # every sampler proposal, 1,054 of them, 66 CPU seconds, until its budget ended.
+    from autotune.search.loop import MAX_CONSECUTIVE_PRUNES
+
+    space = parse_space({"per_device_train_batch_size": list(range(1, 65)), "precision": ["fp32", "bf16"],
+                         "optim": ["adamw_torch", "adamw_torch_fused"], "dataloader_num_workers": [0, 2, 4, 8]}).restrict(fake_gpu)
+    assert space.size > 4 * MAX_CONSECUTIVE_PRUNES
+    fake = FakeEvaluator(probe_s=30.0)
+    outcome = run_search(optuna.create_study(direction="maximize"), space, fake, SearchSettings(memory_ceiling_bytes=40 * GiB, budget_s=3600),
+                         baseline=baseline_params(), clock=fake.clock, strategy=_PruneAllButTheBaseline())
+    assert outcome.stopped_because == "exhausted" and outcome.probes_run == 1
+    assert MAX_CONSECUTIVE_PRUNES <= outcome.pruned <= MAX_CONSECUTIVE_PRUNES + 1
+
+
 def test_pruned_configurations_are_recorded_with_reason_and_cost_no_time(fake_gpu) -> None:
     space = parse_space({"per_device_train_batch_size": [8, 16, 32, 64], "precision": ["fp32", "bf16"]}).restrict(fake_gpu)
     fake = FakeEvaluator(probe_s=30.0)

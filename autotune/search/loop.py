@@ -464,6 +464,9 @@ def run_search(
                 if proposal is None and consecutive_prunes >= MAX_CONSECUTIVE_PRUNES:
                     proposal = _random_allowed(space, state.seen, rng, strategy, state)
                     consecutive_prunes = 0
+                    if proposal is None:  # the strategy, the sampler and random draws find nothing it allows: stop pruning
+                        outcome.stopped_because = "exhausted"
+                        break
                 if proposal is not None and proposal.key() in state.seen:
                     proposal = None
             fresh = None
