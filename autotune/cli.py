@@ -69,7 +69,6 @@ def _epilog(command: str) -> str:
 
 
 def _add_run(sub: argparse._SubParsersAction) -> None:
-
     p = sub.add_parser(
         "run",
         help="search for the fastest configuration that fits",
@@ -261,7 +260,6 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def _add_estimate(sub: argparse._SubParsersAction) -> None:
-
     p = sub.add_parser(
         "estimate", help="predicted peak memory and the largest batch that fits, without a GPU",
         description="Predict peak training memory per precision x optimizer x checkpointing from the model config "
@@ -383,7 +381,6 @@ def cmd_spaces(args: argparse.Namespace) -> int:
 
 
 def _add_study_command(sub: argparse._SubParsersAction, name: str, help_text: str, description: str) -> argparse.ArgumentParser:
-
     p = sub.add_parser(name, help=help_text, description=description, epilog=_epilog(name),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     if name != "list":

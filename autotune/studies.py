@@ -17,6 +17,7 @@ import contextlib
 import datetime
 import fcntl
 import json
+import logging
 import os
 import re
 import socket
@@ -69,6 +70,7 @@ SCALAR_RESULT_ATTRS = ("samples_per_s", "tokens_per_s", "peak_mem_bytes", "mfu")
 # plots read the list under "constraints". Both are written, so every reader sees the memory constraint.
 _LEGACY_CONSTRAINTS_KEY = "constraints"
 _OUTCOME_ATTRS = (ATTR_RESULT, ATTR_STATUS, ATTR_REASON, *SCALAR_RESULT_ATTRS)  # what a repeat copies from the original
+_log = logging.getLogger(__name__)
 _FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 
 
@@ -656,7 +658,7 @@ def hold(study: optuna.Study, trial: optuna.Trial, params: TrialParams, holding:
     if holding.state.is_finished():
         record_repeat(study, trial, params, _outcome(holding))
         return
-    with _unless_taken(study, trial):
+    with unless_taken(study, trial):
         trial.set_user_attr(ATTR_PARAMS, params.to_dict())
         trial.set_user_attr(ATTR_DUPLICATE_OF, holding.number)
         trial.set_user_attr(ATTR_REASON, f"not run: trial {holding.number} was already probing this configuration")
@@ -665,15 +667,18 @@ def hold(study: optuna.Study, trial: optuna.Trial, params: TrialParams, holding:
 
 
 @contextlib.contextmanager
-def _unless_taken(study: optuna.Study, trial: optuna.Trial) -> Iterator[None]:
-    """Writes that record a trial which measured nothing (a repeat, a hold): where another worker
-    failed it meanwhile as dead (this worker was alive but silent past the heartbeat grace, as on a
-    loaded machine), there is nothing to record and nothing lost; any other error is raised."""
+def unless_taken(study: optuna.Study, trial: optuna.Trial, *, dropped_warning: str | None = None) -> Iterator[None]:
+    """Writes that record ``trial``'s outcome, given up where another worker failed it meanwhile as dead
+    (this worker was alive but silent past the heartbeat grace, as on a loaded machine): it cannot be
+    told again. ``dropped_warning``: logged then, where what is given up was measured (a repeat or a
+    hold measured nothing). Any other error is raised."""
     try:
         yield
     except (optuna.exceptions.UpdateFinishedTrialError, ValueError):
         if not taken(study, trial):
             raise
+        if dropped_warning:
+            _log.warning("%s", dropped_warning)
 
 
 def _set_memory_constraint(study: optuna.Study, trial: optuna.Trial, value: float) -> None:
@@ -756,7 +761,7 @@ def record_predicted_peak(trial: optuna.Trial, predicted_bytes: int) -> None:
 
 def record_repeat(study: optuna.Study, trial: optuna.Trial, params: TrialParams, original: StoredOutcome) -> None:
     """Tell ``trial`` the outcome already measured for the same configuration, without running it."""
-    with _unless_taken(study, trial):
+    with unless_taken(study, trial):
         trial.set_user_attr(ATTR_PARAMS, params.to_dict())
         trial.set_user_attr(ATTR_DUPLICATE_OF, original.number)
         for name, value in original.attrs.items():

@@ -37,7 +37,6 @@ from autotune.errors import EXIT_INTERRUPTED, EXIT_NO_RESULT, EXIT_NOTHING_FITS,
 from autotune.params import TrialParams
 from autotune.records import ProbeStatus
 from autotune.search.loop import SearchOutcome, TrialRecord
-from autotune.search.strategies.registry import DEFAULT_STRATEGY
 from autotune.space import SearchSpace
 
 PARENT_RUN_ENV = "AUTOTUNE_PARENT_RUN"  # set for workers that `autotune run --gpus` starts: they die with it
@@ -115,10 +114,10 @@ def options_for_worker(
         model=None if trainer else settings["model"], trainer=trainer, budget=budget, n_trials=n_trials, space=SearchSpace.from_dict(settings["space"]),
         memory_ceiling=int(settings["memory_ceiling_bytes"]), effective_batch_size=settings.get("effective_batch_size"),
         seq_len=None if trainer else int(settings["seq_len"]), device=device, storage=storage, study=study,
-        seed=int(probe.get("seed", 0)) + seed_offset, trial_timeout=probe.get("trial_timeout_s", defaults.TRIAL_TIMEOUT),
+        seed=int(probe.get("seed", defaults.SEED)) + seed_offset, trial_timeout=probe.get("trial_timeout_s", defaults.TRIAL_TIMEOUT),
         warmup_steps=int(probe.get("warmup_steps", defaults.WARMUP_STEPS)), measure_steps=int(probe.get("measure_steps", defaults.MEASURE_STEPS)),
         dataset=dataset.get("path"), text_column=dataset.get("text_column", defaults.TEXT_COLUMN), tokenizer=dataset.get("tokenizer"),
-        strategy=settings.get("strategy") or DEFAULT_STRATEGY, isolation=probe.get("isolation", defaults.ISOLATION),
+        strategy=settings.get("strategy") or defaults.STRATEGY, isolation=probe.get("isolation", defaults.ISOLATION),
         peft=peft.get("method"), lora_r=peft.get("r"), lora_alpha=peft.get("alpha"), lora_dropout=peft.get("dropout"),
         lora_target_modules=list(targets) if targets else None,
         trainer_args=trainer_args, objective=objective, baseline=_baseline_fields(settings.get("baseline")),

@@ -498,12 +498,12 @@ def _parallel_state(history: list[Probe], in_flight: set, ceiling_bytes: int = 4
                        SeenKeys({p.params.key() for p in history}, in_flight), remaining_s=3600.0)
 
 
-def _stubbed(strategy: BayesStrategy, module: Any, name: str) -> BayesStrategy:
-    """``strategy`` with the function ``module.name`` answering nothing during its proposals."""
+def _stubbed(strategy: BayesStrategy, module: Any, name: str, answer: Any) -> BayesStrategy:
+    """``strategy`` with the function ``module.name`` answering ``answer`` during its proposals."""
     propose = strategy.propose
 
     def stubbed_propose(state: SearchState) -> TrialParams | None:
-        with mock.patch.object(module, name, lambda *args, **kwargs: [] if name == "pending_probes" else None):
+        with mock.patch.object(module, name, lambda *args, **kwargs: answer):
             return propose(state)
 
     strategy.propose = stubbed_propose  # type: ignore[method-assign]
@@ -512,7 +512,7 @@ def _stubbed(strategy: BayesStrategy, module: Any, name: str) -> BayesStrategy:
 
 def _without_pending() -> BayesStrategy:
     """bayes as it was before it counted probes in flight: they were only excluded."""
-    return _stubbed(BayesStrategy(), bayes_strategy, "pending_probes")
+    return _stubbed(BayesStrategy(), bayes_strategy, "pending_probes", [])
 
 
 def test_bayes_with_nothing_in_flight_proposes_as_a_lone_worker() -> None:
@@ -533,7 +533,7 @@ def test_bayes_asks_another_question_than_a_probe_in_flight() -> None:
     history = [_measured(0, 50.0, 2**27), _measured(1, 90.0, 2**27, precision="bf16", per_device_train_batch_size=16)]
 
     def scored_only(strategy: BayesStrategy) -> BayesStrategy:
-        return _stubbed(strategy, questions, "precision_sibling")
+        return _stubbed(strategy, questions, "precision_sibling", None)
 
     first = scored_only(BayesStrategy()).propose(_parallel_state(history, set(), space=space))
     assert first is not None

@@ -275,6 +275,20 @@ def test_a_held_trial_that_another_worker_failed_as_dead_meanwhile_is_left_as_it
         assert left.state == TrialState.FAIL and studies.ATTR_DUPLICATE_OF not in left.user_attrs
 
 
+def test_an_outcome_for_a_trial_another_worker_failed_as_dead_is_dropped_with_a_warning(quick: SearchSpace, caplog) -> None:
+    from autotune.search.loop import _record
+
+    study = optuna.create_study(direction="maximize")
+    params = quick.baseline()
+    trial = _claim(study, quick, params)
+    study._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)  # what the dead-trial sweep does
+    result = ProbeResult(status="ok", samples_per_s=10.0, peak_mem_bytes=1, wall_s=1.0)
+    with caplog.at_level("WARNING"):
+        assert _record(study, trial, params, result, _settings(), reusable=True) is None
+    assert f"trial {trial.number} was failed by another worker" in caplog.text and "its outcome is dropped" in caplog.text
+    assert study.get_trials()[trial.number].state == TrialState.FAIL and studies.ATTR_STATUS not in study.get_trials()[trial.number].user_attrs
+
+
 def test_a_popped_trial_yields_to_any_other_claim(quick: SearchSpace) -> None:
     study = optuna.create_study(direction="maximize")
     params = quick.baseline()

@@ -272,16 +272,13 @@ def _record(
     cannot be told again: the outcome is dropped with a warning.
     """
     died = studies.killed(result)
-    try:
+    dropped = f"trial {trial.number} was failed by another worker (no heartbeat for {settings.heartbeat_grace_s:.0f} s): its outcome is dropped"
+    with studies.unless_taken(study, trial, dropped_warning=dropped):
         if died and studies.first_death(studies.read_trials(study) if trials is None else trials, params.key(), trial.number):
             studies.record_death(study, trial, params, result.error or "killed")
             return None
         return studies.record_outcome(study, trial, params, result, settings.memory_ceiling_bytes, reusable=reusable, died=died)
-    except (optuna.exceptions.UpdateFinishedTrialError, ValueError):
-        if not studies.taken(study, trial):
-            raise
-        _log.warning("trial %d was failed by another worker (no heartbeat for %.0f s): its outcome is dropped", trial.number, settings.heartbeat_grace_s)
-        return None
+    return None
 
 
 def _distributions(space: SearchSpace) -> dict[str, BaseDistribution]:
