@@ -483,7 +483,7 @@ def plan_run(options: RunOptions) -> RunPlan:
         study_name=study_name,
         settings=SearchSettings(
             memory_ceiling_bytes=ceiling, budget_s=budget_s, n_trials=options.n_trials, trial_timeout_s=trial_timeout_s,
-            seed=options.seed,
+            seed=options.seed, gpu=device_info.is_cuda,
         ),
         warmup_steps=options.warmup_steps,
         measure_steps=options.measure_steps,

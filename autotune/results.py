@@ -182,7 +182,7 @@ _WORST_FIRST = (ProbeStatus.OOM, ProbeStatus.CRASH, ProbeStatus.DIVERGED, ProbeS
 CONFIG_COLUMNS = ("probe_trials", "n_probes", "n_measurements", "samples_per_s_min", "samples_per_s_max", "spread_rel", "unstable", "fits", "rank")
 
 
-def configurations_frame(trials: pd.DataFrame, memory_ceiling_bytes: int | None) -> pd.DataFrame:
+def configurations_frame(trials: pd.DataFrame, memory_ceiling_bytes: int | None, *, gpu: bool = True) -> pd.DataFrame:
     """One row per configuration, in the order of the ranking: what every display shows.
 
     Configurations that fit (:func:`autotune.search.ranking.rank_configurations`, the one rule)
@@ -199,7 +199,7 @@ def configurations_frame(trials: pd.DataFrame, memory_ceiling_bytes: int | None)
     frame = trials[trials["duplicate_of"].isna() & (trials["state"] != "waiting")]
     if frame.empty:
         return pd.DataFrame(columns=columns)
-    ranked = rank_configurations(_frame_probes(frame), memory_ceiling_bytes)
+    ranked = rank_configurations(_frame_probes(frame), memory_ceiling_bytes, gpu=gpu)
     rank_of = {c.params.key(): i + 1 for i, c in enumerate(ranked)}
     unstable = {c.params.key() for c in ranked if c.unstable}
     groups: dict[tuple[Any, ...], list[int]] = {}
@@ -272,7 +272,8 @@ class TuneResult:
         # Computed once per trials frame: best, baseline, speed-up and every display read it.
         key = (id(self.trials), len(self.trials), self.memory_ceiling_bytes)
         if self._configurations is None or self._configurations[0] != key:
-            self._configurations = (key, configurations_frame(self.trials, self.memory_ceiling_bytes))
+            gpu = (self.settings.get("device") or {}).get("kind", "cuda") != "cpu"  # a study without a device: as on a GPU
+            self._configurations = (key, configurations_frame(self.trials, self.memory_ceiling_bytes, gpu=gpu))
         return self._configurations[1]
 
     def ranked(self) -> pd.DataFrame:

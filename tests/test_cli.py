@@ -75,9 +75,9 @@ def test_api_returns_training_arguments_that_trainer_accepts(tmp_path) -> None:
     )
     assert len(result.trials[result.trials["remeasure_of"].isna()]) == 2  # near-ties may be re-measured on top
     assert result.baseline["is_baseline"] and result.baseline["per_device_train_batch_size"] == 8
-    assert result.speedup is not None and result.speedup > 0
-    if result.speedup < 1.0:  # only a tie within noise, ordered by the precision's class (ranking.py), puts a slower one first
-        assert result.best_params["precision"] == "bf16" and result.baseline["precision"] == "fp32"
+    # On a CPU the ranking's prior puts fp32 (the baseline's precision) first among near-ties, so nothing
+    # measured slower than the baseline is ever returned there.
+    assert result.baseline["precision"] == "fp32" and result.speedup is not None and result.speedup >= 1.0
     assert set(result.best_params) >= {"per_device_train_batch_size", "precision", "attn_implementation"}
     args = result.best_training_arguments(output_dir=str(tmp_path / "out"), learning_rate=1e-4)
     assert args.learning_rate == 1e-4

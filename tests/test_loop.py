@@ -492,6 +492,12 @@ def test_a_tie_goes_to_the_prior_not_to_chance() -> None:
     # Within one precision the mean decides among equals of the prior (batch and workers are not ordered by it).
     same = rank_configurations([probe(0, 100.0, precision="bf16"), probe(1, 101.0, precision="bf16", dataloader_num_workers=4)], 40 * GiB)
     assert same[0].params.dataloader_num_workers == 4
+    # On a CPU the prior is the expert rule's there (autocast's 16 bits emulated): a tie goes to fp32, the
+    # same probes otherwise ranked alike.
+    on_cpu = rank_configurations(tied, 40 * GiB, gpu=False)
+    assert [c.params.precision for c in on_cpu] == ["fp32", "tf32", "fp16", "bf16", "bf16"]
+    faster_bf16 = [probe(0, 110.0, precision="bf16"), probe(1, 100.0, precision="fp32")]
+    assert [c.params.precision for c in rank_configurations(faster_bf16, 40 * GiB, gpu=False)] == ["bf16", "fp32"]  # beyond the noise, speed wins
 
 
 def test_a_crashing_expert_gets_its_nearest_runnable_neighbour_measured(fake_gpu) -> None:

@@ -123,6 +123,7 @@ class SearchSettings:
     heartbeat_interval_s: float = studies.HEARTBEAT_INTERVAL_S  # a probing worker refreshes its trial's heartbeat this often
     heartbeat_grace_s: float = studies.HEARTBEAT_GRACE_S  # a RUNNING trial silent this long is failed (its worker died) and retried once
     claim_settle_s: float = studies.CLAIM_SETTLE_S  # a claim waits this long at most for an older trial without a configuration yet
+    gpu: bool = True  # the probes run on a GPU: what the ranking's prior prefers among near-ties (ranking.prior_rank)
 
 
 @dataclass(frozen=True)
@@ -151,25 +152,25 @@ class SearchOutcome:
     records: list[TrialRecord] = field(default_factory=list)
 
 
-def ranked_configurations(study: optuna.Study, ceiling_bytes: int) -> list[Configuration]:
+def ranked_configurations(study: optuna.Study, ceiling_bytes: int, *, gpu: bool = True) -> list[Configuration]:
     """The study's configurations that fit, fastest mean first (:func:`~autotune.search.ranking.rank_configurations`)."""
-    return rank_configurations(studies.stored_probes(study), ceiling_bytes)
+    return rank_configurations(studies.stored_probes(study), ceiling_bytes, gpu=gpu)
 
 
-def _remeasure_queue(study: optuna.Study, ceiling_bytes: int, tried: set[tuple[int, int]]) -> Iterator[Configuration]:
+def _remeasure_queue(study: optuna.Study, settings: SearchSettings, tried: set[tuple[int, int]]) -> Iterator[Configuration]:
     """The near-ties as they stand when the search ends, then, read afresh, those that their second
     probe made unstable (a third probe decides); each (configuration, probe count) once."""
     for _ in range(2):
-        pending = [c for c in _to_remeasure(studies.stored_probes(study), ceiling_bytes) if (c.number, c.n_measurements) not in tried]
+        pending = [c for c in _to_remeasure(studies.stored_probes(study), settings) if (c.number, c.n_measurements) not in tried]
         for contender in pending:
             tried.add((contender.number, contender.n_measurements))
             yield contender
 
 
-def _to_remeasure(probes: Sequence[Probe], ceiling_bytes: int) -> list[Configuration]:
+def _to_remeasure(probes: Sequence[Probe], settings: SearchSettings) -> list[Configuration]:
     """The near-ties measured only once, and those whose two probes disagree (unstable: a third probe
     decides); a resumed run probes none of them beyond that."""
-    ranked = rank_configurations(probes, ceiling_bytes)
+    ranked = rank_configurations(probes, settings.memory_ceiling_bytes, gpu=settings.gpu)
     contenders = near_ties(ranked) or [c for c in ranked[:1] if c.unstable]
     return [c for c in contenders if c.n_measurements == 1 or (c.n_measurements == 2 and c.unstable)]
 
@@ -229,7 +230,7 @@ def remeasure_near_ties(
     """
     done = 0
     tried: set[tuple[int, int]] = set()  # (configuration, its probes so far): each gets one more probe at most per pass
-    for contender in _remeasure_queue(study, settings.memory_ceiling_bytes, tried):
+    for contender in _remeasure_queue(study, settings, tried):
         remaining_s = deadline_s - clock.now() if deadline_s is not None else settings.trial_timeout_s
         if remaining_s < max(settings.min_probe_s, contender.wall_s or typical_s):
             continue
@@ -380,7 +381,7 @@ def run_search(
     outcome = SearchOutcome(stopped_because="budget")
     wall_times_s: list[float] = []
     state = SearchState(space, settings.memory_ceiling_bytes, memory, synced.history, SeenKeys(synced.seen), baseline=baseline,
-                        expert=expert)
+                        expert=expert, gpu=settings.gpu)
     if strategy is not None:
         study.sampler = strategy.sampler(settings.seed)
     distributions = _distributions(space)
@@ -421,7 +422,7 @@ def run_search(
             typical_s = statistics.median(wall_times_s) if wall_times_s else 0.0
             reserve_s = 0.0
             if deadline_s is not None:
-                contenders = _to_remeasure(studies.probes_in(trials), settings.memory_ceiling_bytes)
+                contenders = _to_remeasure(studies.probes_in(trials), settings)
                 keep_s = max(REMEASURE_RESERVE_FRACTION * (settings.budget_s or 0.0), typical_s)
                 reserve_s = _remeasure_cost_s(contenders, typical_s, min(remaining_s, keep_s), settings.min_probe_s)
             if remaining_s - reserve_s < max(settings.min_probe_s, typical_s):

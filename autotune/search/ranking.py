@@ -9,9 +9,9 @@ results are per **configuration**, not per probe:
   often it fitted otherwise. Timeouts (often cut short by the budget) say nothing and are left out;
 * configurations that fit are **ranked** by the mean samples/s of their probes, fastest first;
 * **ties go to the prior, not to chance**: the configurations within the noise of the fastest
-  (:func:`tie_band`) are ordered by the prior (:func:`prior_rank`: 16-bit over tf32 over fp32),
-  then by their mean; so a loader that makes every precision measure alike returns the 16-bit one,
-  not whichever noise put first. Exact
+  (:func:`tie_band`) are ordered by the prior (:func:`prior_rank`: on a GPU 16-bit over tf32 over
+  fp32, on a CPU the reverse, as the expert rule picks), then by their mean; so a loader that makes
+  every precision measure alike returns the 16-bit one on a GPU, not whichever noise put first. Exact
   ties left after that go to the first trial (the one found first ranks first).
 
 Near-ties (:func:`near_ties`) are the configurations within the noise of the best
@@ -61,9 +61,10 @@ class Configuration:
         return self.n_measurements > 1 and self.spread_rel > noise_band(self.ci95_rel, self.ci95_rel)
 
 
-def rank_configurations(probes: Iterable[Probe], ceiling_bytes: int | None) -> list[Configuration]:
+def rank_configurations(probes: Iterable[Probe], ceiling_bytes: int | None, *, gpu: bool = True) -> list[Configuration]:
     """The configurations that fit under ``ceiling_bytes`` (every measured probe fits), fastest mean first,
-    those within the noise of the fastest (:func:`tie_band`) in the prior's order (:func:`prior_rank`)."""
+    those within the noise of the fastest (:func:`tie_band`) in the prior's order (:func:`prior_rank`;
+    ``gpu``: the probes ran on a GPU)."""
     groups: dict[tuple[Any, ...], list[Probe]] = {}
     for probe in probes:
         if probe.result.status.is_measured():
@@ -92,15 +93,20 @@ def rank_configurations(probes: Iterable[Probe], ceiling_bytes: int | None) -> l
         return by_speed
     fastest = by_speed[0]
     tied = [c for c in by_speed if fastest.mean_samples_per_s - c.mean_samples_per_s <= tie_band(fastest, c) * fastest.mean_samples_per_s]
-    tied.sort(key=lambda c: (prior_rank(c.params), -c.mean_samples_per_s, c.number))
+    tied.sort(key=lambda c: (prior_rank(c.params, gpu=gpu), -c.mean_samples_per_s, c.number))
     members = {id(c) for c in tied}
     return tied + [c for c in by_speed if id(c) not in members]
 
 
-def prior_rank(params: TrialParams) -> int:
+def prior_rank(params: TrialParams, *, gpu: bool = True) -> int:
     """How the prior orders a configuration among near-equals (lower first): the class of its precision,
-    16-bit (0), tf32 (1), fp32 (2); an unknown precision after them."""
-    return PRECISION_CLASS.get(params.precision, len(PRECISION_CLASS))
+    on a GPU 16-bit (0), tf32 (1), fp32 (2); on a CPU, where autocast's 16 bits are emulated on most cores
+    and the expert rule keeps fp32 (:func:`autotune.search.expert.expert_params`), the reverse. An unknown
+    precision after them."""
+    known = PRECISION_CLASS.get(params.precision)
+    if known is None:
+        return len(PRECISION_CLASS)
+    return known if gpu else max(PRECISION_CLASS.values()) - known
 
 
 def tie_band(a: Configuration, b: Configuration) -> float:

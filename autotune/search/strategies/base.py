@@ -65,10 +65,11 @@ class SearchState:
     # Of remaining_s, what the loop keeps for re-measuring the near-ties so far (each measured once):
     # a strategy that knows which of its probes pay more than that (bayes's polish) spends it on those only.
     kept_s: float = 0.0
+    gpu: bool = True  # the probes run on a GPU (the ranking's prior among near-ties)
 
-    def feasible(self) -> list[Configuration]:
-        """The configurations that fit, fastest mean first: the one ranking rule."""
-        return rank_configurations(self.history, self.ceiling_bytes)
+    def feasible(self, history: Sequence[Probe] | None = None) -> list[Configuration]:
+        """The configurations that fit, fastest mean first: the one ranking rule, over ``history`` (default: the probes that ran)."""
+        return rank_configurations(self.history if history is None else history, self.ceiling_bytes, gpu=self.gpu)
 
 
 class Strategy(ABC):

@@ -12,7 +12,6 @@ import optuna
 
 from autotune.params import TrialParams
 from autotune.records import Probe, ProbeResult, ProbeStatus
-from autotune.search.ranking import rank_configurations
 from autotune.search.strategies import coverage
 from autotune.search.strategies.base import SearchState, SeenKeys, Strategy
 from autotune.search.strategies.baselines import tpe_sampler
@@ -77,7 +76,7 @@ class BayesStrategy(Strategy):
             ran = ran + [p for p in believed if p.result.ok]
             history = history + believed
             evidence = MemoryEvidence.of(context.groups, grid, history, state.ceiling_bytes)
-            feasible = rank_configurations(history, state.ceiling_bytes)
+            feasible = state.feasible(history)
         p_ok = np.broadcast_to(self._p_ok(context, state), grid.shape)
         cost_ok, cost_fail = probe_costs(context, history, mean)
         # What may be proposed at all.
