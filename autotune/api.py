@@ -251,6 +251,7 @@ class RunPlan:
     objective: str = "samples"  # one of OBJECTIVES
     baseline_source: str = "defaults"  # "user" (a make_trainer(argv) factory's own settings), "file" (--baseline), "defaults"
     started_s: float | None = None  # time.monotonic() when planning began: the budget counts from there
+    warnings: tuple[str, ...] = ()  # what the plan tells before any probe ran (autotune.probe.duration), one line each
 
     @property
     def tokens_per_sample(self) -> float | None:
@@ -498,7 +499,7 @@ def plan_run(options: RunOptions) -> RunPlan:
         baseline_source=baseline_source,
         started_s=planned_s,
     )
-    plan = dataclasses.replace(plan, expert=_expert(plan))
+    plan = dataclasses.replace(plan, expert=_expert(plan), warnings=_plan_warnings(plan))
     if gpus and not isinstance(plan.storage, str):
         raise UsageError("--gpus starts worker processes, which open the storage by its URL: pass storage as a URL "
                          f"(e.g. {WORKERS_STORAGE}), not an object")
@@ -626,6 +627,17 @@ def _expert(plan: RunPlan) -> TrialParams:
     from autotune.search.expert import expert_params
 
     return expert_params(plan.space, plan.baseline, plan.memory_model(), plan.memory_ceiling_bytes, gpu=plan.device.is_cuda)
+
+
+def _plan_warnings(plan: RunPlan) -> tuple[str, ...]:
+    """What the plan can tell before any probe: that its first probe (the baseline) cannot finish in time."""
+    from autotune.probe.duration import cannot_finish_warning, probe_floor
+
+    floor = probe_floor(plan.model, plan.device, plan.seq_len, plan.baseline, plan.warmup_steps + plan.measure_steps,
+                        counts=plan.parameters)
+    warning = cannot_finish_warning(floor, f"the first probe ({plan.baseline.short()}, {plan.warmup_steps + plan.measure_steps} steps)",
+                                    plan.settings.budget_s, plan.settings.trial_timeout_s)
+    return (warning,) if warning else ()
 
 
 def _user_trainer_plan(ref: Any, device: DeviceInfo, timeout_s: float, mode: IsolationMode, trainer_args: tuple[str, ...] | None = None,

@@ -156,6 +156,8 @@ def print_header(console: Console, plan: Any, resumed: int) -> None:
         console.print(f"  ranked by {plan.objective}/s; the best is measured against {baseline_label(getattr(plan, 'baseline_source', None))} "
                       f"({plan.baseline.short()}) and the expert rule ({plan.expert.short()})", soft_wrap=True)
     console.print(f"study '{plan.study_name}' in {describe_storage(plan.storage)}", style="dim")
+    for warning in getattr(plan, "warnings", ()):
+        console.print(f"warning: {warning}", style="yellow", soft_wrap=True)
     for dropped in plan.space.dropped:
         console.print(f"  dropped {dropped}", style="yellow")
     if plan.space.effective_batch_size:

@@ -63,3 +63,56 @@ def test_tf32_under_mixed_precision_takes_the_16_bit_peak(precision: str, column
     flops_per_token, tokens_per_s = 6e9, 50_000.0
     assert mfu(flops_per_token, tokens_per_s, "NVIDIA H100 80GB HBM3", precision, "tf32") == pytest.approx(
         achieved_tflops(flops_per_token, tokens_per_s) / 989.5)
+
+
+# ---------------------------------------------------------------------- a probe's compute floor (autotune.probe.duration)
+
+def test_a_probes_flops_by_hand() -> None:
+    from autotune.models import ModelSpec, count_parameters
+    from autotune.params import TrialParams
+    from autotune.probe.duration import probe_flops
+
+    spec = ModelSpec("hand", "builtin", {"model_type": "gpt_neox", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                             "intermediate_size": 256, "vocab_size": 1000, "max_position_embeddings": 128})
+    matmul = count_parameters(spec) - 1000 * 64  # the input embedding is a lookup, not a matmul
+    per_token = 6 * matmul + 12 * 2 * 4 * 16 * 32
+    # 3 steps of batch 4 x accumulation 2 at 32 tokens per sample: 3 x 8 x 32 tokens.
+    assert probe_flops(spec, 32, TrialParams(per_device_train_batch_size=4, gradient_accumulation_steps=2), 3) == per_token * 3 * 8 * 32
+
+
+def test_the_warning_names_the_tighter_limit_and_only_when_the_floor_is_over_it() -> None:
+    from autotune.probe.duration import ProbeFloor, cannot_finish_warning
+
+    floor = ProbeFloor(flops=1.2e14, peak_flops_per_s=1e11, peak_source="measured")  # 1,200 s
+    assert floor.seconds == pytest.approx(1200.0)
+    over_budget = cannot_finish_warning(floor, "the first probe", budget_s=300.0, trial_timeout_s=900.0)
+    assert over_budget is not None and "20m00s" in over_budget and "the 5m00s budget" in over_budget
+    assert "100 GFLOP/s, this CPU's matmul peak" in over_budget and over_budget.endswith("on a GPU") and "\n" not in over_budget
+    over_deadline = cannot_finish_warning(floor, "the first probe", budget_s=3600.0, trial_timeout_s=900.0)
+    assert over_deadline is not None and "15m00s probe deadline (--trial-timeout)" in over_deadline
+    assert cannot_finish_warning(floor, "the first probe", budget_s=None, trial_timeout_s=1500.0) is None
+    assert cannot_finish_warning(None, "the first probe", budget_s=1.0, trial_timeout_s=1.0) is None  # a GPU the table lacks
+    gpu = ProbeFloor(flops=1e18, peak_flops_per_s=989.5e12, peak_source="datasheet")
+    on_gpu = cannot_finish_warning(gpu, "x", 60.0, 900.0)
+    assert on_gpu is not None and "990 TFLOP/s, the device's datasheet peak" in on_gpu and on_gpu.endswith("with --peft lora")
+
+
+def test_a_gpus_peak_is_its_fastest_datasheet_column_and_an_unknown_gpu_has_none() -> None:
+    from autotune.probe.duration import peak_flops_per_s
+    from autotune.records import DeviceInfo
+
+    h100 = DeviceInfo(kind="cuda", name="NVIDIA H100 80GB HBM3", total_memory_bytes=80 << 30)
+    assert peak_flops_per_s(h100) == (pytest.approx(989.5e12), "datasheet")
+    assert peak_flops_per_s(DeviceInfo(kind="cuda", name="Some Future GPU", total_memory_bytes=1 << 30)) is None
+
+
+def test_a_plan_on_cpu_warns_that_a_large_models_first_probe_cannot_finish(tmp_path) -> None:
+    """#45: polyglot-ko-1.3b on a CPU (seq 512, batch 8, 11 steps: ~3.6e14 FLOPs, at least 20 minutes at the
+    ~300 GFLOP/s a 2-core AVX-512 CPU's matmul peaks at; a CPU would need 6 TFLOP/s to make it a minute) against
+    a 1-minute budget; the small default model gets no warning."""
+    from autotune.api import RunOptions, plan_run
+
+    common = dict(device="cpu", storage=f"sqlite:///{tmp_path / 'w.db'}", budget="1m")
+    (warning,) = plan_run(RunOptions(model="polyglot-ko-1.3b", **common)).warnings
+    assert warning.startswith("the first probe (bs8x1 fp32") and "the 1m00s budget" in warning and "it will time out" in warning
+    assert plan_run(RunOptions(model="tiny-gptneox", seq_len=64, **common)).warnings == ()

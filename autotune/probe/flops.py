@@ -73,13 +73,16 @@ def model_flops_per_token(
 
 def peak_tflops(device_name: str | None, precision: str) -> float | None:
     """The dense peak TFLOP/s of ``device_name`` at ``precision``, or None if we do not know it."""
+    peaks = device_peaks(device_name)
+    return peaks.get(precision) if peaks is not None else None
+
+
+def device_peaks(device_name: str | None) -> Mapping[str, float] | None:
+    """The :data:`PEAK_TFLOPS` row of ``device_name`` (dense TFLOP/s by precision), or None if we do not know it."""
     if not device_name:
         return None
     name = device_name.lower()
-    for key, peaks in PEAK_TFLOPS:
-        if _matches(name, key):
-            return peaks.get(precision)
-    return None
+    return next((peaks for key, peaks in PEAK_TFLOPS if _matches(name, key)), None)
 
 
 # torch's names for the internal precision of fp32 matmuls (``torch.backends.<backend>.matmul.fp32_precision``,
