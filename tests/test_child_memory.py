@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from autotune.probe.child import (
+from autotune.probe.memory import (
     NON_ALLOCATOR_HEADROOM_BYTES,
     allocator_cap_bytes,
     non_allocator_bytes,

@@ -10,13 +10,9 @@ import pytest
 
 from autotune.params import TrialParams
 from autotune.probe import telemetry as telemetry_module
-from autotune.probe.child import (
-    TELEMETRY_MAX_STEPS,
-    min_telemetry_window_s,
-    stop_rule,
-    telemetry_fields,
-)
+from autotune.probe.child import TELEMETRY_MAX_STEPS, stop_rule
 from autotune.probe.steady import StopRule, steps_until_stop
+from autotune.probe.summary import min_telemetry_window_s, telemetry_fields
 from autotune.probe.telemetry import Telemetry
 from autotune.records import ProbeSpec
 

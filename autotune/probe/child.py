@@ -1,11 +1,11 @@
 """The probe: one short, real training run, inside a fresh child process.
 
 Run by :mod:`autotune.probe.isolation` as ``python -m autotune.probe.child SPEC.json RESULT.json``. It builds
-the model from its config directly on the device, wraps it in the real ``transformers.Trainer``
+the model from its config directly on the device (:mod:`autotune.probe.model`), wraps it in the real ``transformers.Trainer``
 with exactly the candidate ``TrainingArguments``, runs ``warmup_steps`` optimizer steps, then
 measures steps until the mean step time is stable (:mod:`autotune.probe.steady`) or a cap is reached,
 on synthetic token batches or a real dataset (:mod:`autotune.data`), and writes a
-:class:`~autotune.records.ProbeResult` as JSON.
+:class:`~autotune.records.ProbeResult` as JSON (:mod:`autotune.probe.summary`).
 
 What is timed is what the user will get: data loading, forward, backward, optimizer step and the
 Trainer's own bookkeeping. Every optimizer step ends with the device synchronised, so each step
@@ -17,8 +17,8 @@ or logged to disk inside the probe.
 The trial's fp32 matmul precision is set explicitly just before training (:func:`apply_matmul_precision`),
 whatever transformers and accelerate turned on while the Trainer was built, and read back into the
 result, which takes the MFU peak from it. On CUDA the memory reported against the ceiling counts what
-the process uses outside the caching allocator (:func:`non_allocator_bytes`, :func:`reported_peak_bytes`),
-and the allocator's cap leaves room for it (:func:`allocator_cap_bytes`).
+the process uses outside the caching allocator (:mod:`autotune.probe.memory`), and the allocator's cap
+leaves room for it.
 
 Outcomes are data: an OOM (by type, see :func:`autotune.probe.device.is_out_of_memory`) is ``oom``, a
 NaN/inf loss is ``diverged``, any other exception is ``crash`` with its traceback tail.
@@ -27,29 +27,23 @@ NaN/inf loss is ``diverged``, any other exception is ``crash`` with its tracebac
 from __future__ import annotations
 
 import math
-import os
 import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from autotune.params import fp32_matmul_setting, mixed_precision_dtype
-from autotune.probe.flops import achieved_tflops, mfu, model_flops_per_token
-from autotune.probe.steady import StopRule, ci95_rel
-from autotune.records import INPUT_BOUND_FRACTION, ProbeResult, ProbeSpec, ProbeStatus
+from autotune.probe.memory import CudaBaseline, allocator_cap_bytes, memory_fields, non_allocator_bytes
+from autotune.probe.model import build_probe_model, env_folder, matmul_params
+from autotune.probe.steady import StopRule
+from autotune.probe.summary import min_telemetry_window_s, parameter_fields, summarise
+from autotune.records import ProbeResult, ProbeSpec, ProbeStatus
 
 _ERROR_TAIL_CHARS = 2000
-# Device memory the process still takes outside the caching allocator after its baseline is measured:
-# kernels loaded on first use (CUDA lazy loading, the default since CUDA 12.2: CUDA C++ Programming
-# Guide, "Lazy Loading"), cuBLASLt/cuDNN handles and the workspaces cuBLAS takes with cudaMallocAsync
-# outside PyTorch's allocator for new streams and shapes (CUDA >= 12.2, pytorch#124250), the Triton
-# kernels of a compiled model. The allocator's cap leaves this much room for it under the ceiling.
-NON_ALLOCATOR_HEADROOM_BYTES = 256 * 2**20
 # On CUDA the measured window is stretched to the telemetry's minimum (NVML power and utilisation are
 # ~1 s averages) by at most this many steps; a Trainer step costs milliseconds of host work at least.
 TELEMETRY_MAX_STEPS = 2000
@@ -118,37 +112,6 @@ def stop_rule(spec: ProbeSpec, min_measure_s: float = 0.0) -> WindowStopRule:
     )
 
 
-def min_telemetry_window_s() -> float:
-    """The shortest window whose NVML power and utilisation means we report (telemetry's constant)."""
-    from autotune.probe import telemetry
-
-    return float(getattr(telemetry, "MIN_TELEMETRY_WINDOW_S", 2.0))
-
-
-def telemetry_fields(telemetry: Any, samples: int, min_window_s: float) -> dict[str, Any]:
-    """The result's telemetry fields from the window's :class:`~autotune.probe.telemetry.Telemetry`.
-
-    ``samples``: training samples processed in the window. Energy comes from the GPU's energy counter
-    over the window (``energy_j``), not mean power x time: NVML power is a ~1 s average on Hopper, so
-    over a short window it mostly reflects the warm-up. Power and utilisation (also averaged over up
-    to a second) are reported only for a window of at least ``min_window_s``; the SM clock is an
-    instantaneous reading and is always reported.
-    """
-    sampled = telemetry.samples > 0
-    window_s = float(getattr(telemetry, "window_s", 0.0) or 0.0)
-    energy_j = getattr(telemetry, "energy_j", None)
-    reliable = sampled and window_s >= min_window_s
-    return {
-        "gpu_util_mean_pct": telemetry.gpu_util_mean_pct if reliable else None,
-        "gpu_util_peak_pct": telemetry.gpu_util_peak_pct if reliable else None,
-        "power_mean_w": telemetry.power_mean_w if reliable else None,
-        "sm_clock_mean_mhz": telemetry.sm_clock_mean_mhz,
-        "energy_per_sample_j": energy_j / samples if energy_j is not None and energy_j > 0 and samples > 0 else None,
-        "telemetry_window_s": window_s if sampled else None,
-        "telemetry_reliable": reliable,
-    }
-
-
 def apply_matmul_precision(precision: str, cuda: bool) -> str:
     """Set the fp32 matmul precision the trial's ``precision`` says, consistently for the legacy and
     the new torch APIs, and return the precision then in force (:func:`matmul_precision_in_force`).
@@ -194,45 +157,6 @@ def matmul_precision_in_force(cuda: bool) -> str:
         return str(new)
     # torch < 2.9, or a leaf left at "none": the legacy setting ("medium" is TF32 on CUDA, bf16 on oneDNN).
     return {"highest": "ieee", "high": "tf32"}.get(legacy, "tf32" if cuda else "bf16")
-
-
-def non_allocator_bytes(used_before_cuda_bytes: int | None, used_after_init_bytes: int | None, reserved_bytes: int) -> int | None:
-    """Device memory this process uses outside the caching allocator: NVML's used memory after CUDA
-    init and a first matmul, less NVML's before CUDA init (other processes, driver reservations), less
-    what the allocator holds (``torch.cuda.memory_reserved()``). That is the context, the library
-    handles and the kernels loaded so far. None without NVML."""
-    if used_before_cuda_bytes is None or used_after_init_bytes is None:
-        return None
-    return max(used_after_init_bytes - used_before_cuda_bytes - reserved_bytes, 0)
-
-
-def allocator_cap_bytes(
-    ceiling_bytes: int, used_before_cuda_bytes: int | None, non_allocator: int | None,
-    headroom_bytes: int = NON_ALLOCATOR_HEADROOM_BYTES,
-) -> int:
-    """What the caching allocator may reserve so the whole device stays under ``ceiling_bytes``: the
-    ceiling less what was used before this process (NVML counts it in the peak too), less this
-    process's memory outside the allocator, less headroom for what it takes later."""
-    return max(ceiling_bytes - (used_before_cuda_bytes or 0) - (non_allocator or 0) - headroom_bytes, 0)
-
-
-def reported_peak_bytes(
-    nvml_peak_bytes: int | None, used_before_cuda_bytes: int | None, non_allocator: int | None, max_reserved_bytes: int
-) -> int:
-    """Peak device memory, as the ceiling is checked against: NVML's peak over the probe, or the
-    allocator's peak reserved plus what NVML saw outside it, whichever is larger (NVML is sampled,
-    so it can miss the allocator's peak between two samples)."""
-    accounted = (used_before_cuda_bytes or 0) + (non_allocator or 0) + max_reserved_bytes
-    return max(nvml_peak_bytes or 0, accounted)
-
-
-@dataclass(frozen=True)
-class CudaBaseline:
-    """Device memory around CUDA init: NVML's used before this process's context, and this process's
-    memory outside the caching allocator after init and a first matmul (None without NVML)."""
-
-    used_before_cuda_bytes: int | None
-    non_allocator_bytes: int | None
 
 
 def _init_cuda(spec: ProbeSpec) -> CudaBaseline:
@@ -408,29 +332,6 @@ def compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def _compile_counts(spec: ProbeSpec, callback: Any) -> dict[str, int]:
-    """Graphs compiled during the warm-up and during the measured window: a compilation inside the
-    window would be timed as a slow step, so a compiled probe should show none there."""
-    graphs = callback.graphs_at_step
-    if not graphs:
-        return {}
-    at_warmup_end = graphs[spec.warmup_steps - 1] if spec.warmup_steps else 0
-    return {"compiled_graphs_warmup": at_warmup_end, "compiled_graphs_measured": graphs[-1] - at_warmup_end}
-
-
-def _matmul_params(model: Any, *, trainable_only: bool = False) -> int:
-    """N of the FLOPs formula: every parameter except input embedding tables; a tied output
-    projection is counted (it is a real matmul), once. ``trainable_only``: of those, the ones trained."""
-    import torch
-
-    params = {id(p): p.numel() for p in model.parameters() if p.requires_grad or not trainable_only}
-    embeddings = {id(m.weight): m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if output is not None and id(output.weight) in embeddings:
-        del embeddings[id(output.weight)]
-    return sum(params.values()) - sum(n for key, n in embeddings.items() if key in params)
-
-
 def _timed_trainer(callback: Any, base: Any = None) -> Any:
     """A Trainer that records how long the training loop blocks on ``next()`` for each step's batches,
     and counts non-finite micro-batch losses on the device (divergence, without a host sync).
@@ -526,10 +427,10 @@ def run_probe(spec: ProbeSpec) -> ProbeResult:
         params = spec.params
         torch.manual_seed(spec.seed)
         if spec.trainer is None:
-            model, counts, model_build_s, flops_per_token = _build_model(spec, cuda)
+            model, counts, model_build_s, flops_per_token = build_probe_model(spec, cuda)
         callback = _make_callback(spec, cuda)
         total_steps = spec.warmup_steps + callback.step_budget
-        with tempfile.TemporaryDirectory(prefix="autotune-probe-out-", dir=_env_folder("AUTOTUNE_PROBE_SCRATCH")) as output_dir:
+        with tempfile.TemporaryDirectory(prefix="autotune-probe-out-", dir=env_folder("AUTOTUNE_PROBE_SCRATCH")) as output_dir:
             # A make_trainer(argv) factory builds its own config class from flags (autotune.probe.user_trainer.factory_argv).
             args = probe_training_arguments(spec, output_dir, total_steps, cuda) if spec.trainer_args is None else None
             if spec.trainer is not None:  # the user's own model, data and Trainer, from their factory
@@ -551,7 +452,7 @@ def run_probe(spec: ProbeSpec) -> ProbeResult:
             trainer.train()
         if user is not None:  # FLOPs of the real model at the mean real sequence length of the measured batches
             counted = callback.measured_batches()
-            flops_per_token = user.flops_per_token(_matmul_params(trainer.model), _matmul_params(trainer.model, trainable_only=True),
+            flops_per_token = user.flops_per_token(matmul_params(trainer.model), matmul_params(trainer.model, trainable_only=True),
                                                    counted[1] / counted[0] if counted and counted[0] else None)
     except BaseException as exc:
         from autotune.probe.device import is_out_of_memory
@@ -572,237 +473,14 @@ def run_probe(spec: ProbeSpec) -> ProbeResult:
             model_build_s=model_build_s,
             model_flops_per_token=flops_per_token,
             matmul_precision=matmul_precision,
-            **_parameter_fields(counts),
-            **_memory_fields(spec, callback, baseline),
+            **parameter_fields(counts),
+            **memory_fields(spec, callback, baseline),
         )
-    result = _summarise(spec, callback, start_s, device_name, model_build_s, flops_per_token, baseline, matmul_precision)
+    result = summarise(spec, callback, start_s, device_name, model_build_s, flops_per_token, baseline, matmul_precision)
     result = result.replace(extra={**result.extra, "training_arguments": applied})
     if user is not None:
         result = result.replace(extra={**result.extra, **user.extra()})
-    return result.replace(**_parameter_fields(counts))
-
-
-def _build_model(spec: ProbeSpec, cuda: bool) -> tuple[Any, Any, float, float]:
-    """The built-in path's model, from its config on the device (in LoRA adapters with ``spec.peft``):
-    (model, its parameter counts, seconds to build it, model FLOPs per token)."""
-    import torch
-
-    from autotune.lora import LoraSettings, count_model_parameters
-    from autotune.models import ModelSpec, build_model
-
-    params = spec.params
-    model_spec = ModelSpec.from_dict(spec.model)
-    lora = LoraSettings.from_dict(spec.peft) if spec.peft else None
-    build_start_s = time.perf_counter()
-    if lora is not None and lora.quantized:
-        model = _build_4bit_model(model_spec, params, spec)
-    else:
-        model = build_model(model_spec, attn_implementation=params.attn_implementation, device="cuda" if cuda else "cpu")
-    if lora is not None:
-        model = _wrap_in_adapters(model, lora, params.gradient_checkpointing)
-    counts = count_model_parameters(model)
-    if cuda:
-        torch.cuda.synchronize()
-    model_build_s = time.perf_counter() - build_start_s
-    matmul_params = _matmul_params(model)
-    flops_per_token = model_flops_per_token(
-        matmul_params, model_spec.num_layers, model_spec.num_attention_heads, model_spec.head_dim, spec.seq_len,
-        frozen_params=matmul_params - _matmul_params(model, trainable_only=True),
-    )
-    return model, counts, model_build_s, flops_per_token
-
-
-def _parameter_fields(counts: Any) -> dict[str, int | None]:
-    """The result's parameter counts (an :class:`autotune.lora.ParameterCounts`, or None before the model was built)."""
-    if counts is None:
-        return {}
-    return {"parameters_total": counts.total, "parameters_trainable": counts.trainable, "parameters_frozen": counts.frozen}
-
-
-def _wrap_in_adapters(model: Any, lora: Any, gradient_checkpointing: bool) -> Any:
-    """The model in its LoRA adapters (base weights frozen).
-
-    With activation checkpointing the embeddings' output is made to require grad
-    (``enable_input_require_grads``, as peft's ``prepare_model_for_kbit_training`` does): under
-    reentrant checkpointing (transformers' default before 5.x) a checkpointed layer whose inputs and
-    weights are all frozen gets no backward at all, so its adapters would never be trained; with
-    transformers 5's non-reentrant default it costs one small extra gradient.
-    """
-    from autotune.lora import apply_lora
-
-    wrapped = apply_lora(model, lora)
-    if gradient_checkpointing:
-        wrapped.enable_input_require_grads()
-    return wrapped
-
-
-def _build_4bit_model(model_spec: Any, params: Any, spec: ProbeSpec) -> Any:
-    """QLoRA's base: the model with random weights loaded in 4 bits (NF4, double quantization) by
-    bitsandbytes on the GPU, prepared for k-bit training (norms and the head upcast to fp32).
-
-    transformers quantizes while loading a checkpoint, never in ``from_config``: the random-weight
-    model is saved once per run (bf16, in the driver's run cache, :func:`qlora_base_checkpoint`) and
-    each probe loads it with the quantization config.
-    """
-    import torch
-    from peft import prepare_model_for_kbit_training
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision_dtype(params.precision) or "", torch.float32)
-    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                      bnb_4bit_compute_dtype=compute)
-    with qlora_base_checkpoint(model_spec) as folder:
-        load_start_s = time.perf_counter()
-        model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=quantization, dtype=torch.bfloat16,
-                                                     device_map={"": 0}, attn_implementation=params.attn_implementation)
-        print(f"autotune: QLoRA base loaded in 4 bits in {time.perf_counter() - load_start_s:.1f}s", file=sys.stderr)
-    model.config.use_cache = False
-    # Checkpointing is the Trainer's to enable, as for every trial; _wrap_in_adapters makes inputs require grad.
-    return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-
-
-def _env_folder(name: str) -> str | None:
-    """The folder the parent names in ``$name`` (isolation.SCRATCH_ENV: this probe's scratch;
-    isolation.RUN_CACHE_ENV: what the run's probes share), or None when unset or gone."""
-    folder = os.environ.get(name)
-    return folder if folder and os.path.isdir(folder) else None
-
-
-@contextmanager
-def qlora_base_checkpoint(model_spec: Any) -> Iterator[Path]:
-    """A folder holding ``model_spec`` with random weights saved in bf16, for a 4-bit load.
-
-    Inside a run (``$AUTOTUNE_RUN_CACHE``, :func:`autotune.probe.isolation.run_cache_dir`) it is
-    written by the first probe that needs it and read by the others (a 1.3B model: 2.6 GB written
-    once instead of per probe); it appears under its final name in one rename, so a probe killed while
-    writing leaves no half checkpoint behind for the next. Outside a run, a temporary folder.
-    """
-    import hashlib
-    import json
-    import shutil
-
-    import torch
-
-    from autotune.models import build_model
-
-    def save(folder: str) -> None:
-        save_start_s = time.perf_counter()
-        build_model(model_spec, attn_implementation=None, device="cpu", dtype=torch.bfloat16).save_pretrained(folder)
-        print(f"autotune: QLoRA base built and saved in {time.perf_counter() - save_start_s:.1f}s", file=sys.stderr)
-
-    cache = _env_folder("AUTOTUNE_RUN_CACHE")
-    if cache is None:
-        with tempfile.TemporaryDirectory(prefix="autotune-qlora-base-", dir=_env_folder("AUTOTUNE_PROBE_SCRATCH")) as folder:
-            save(folder)
-            yield Path(folder)
-        return
-    key = hashlib.sha256(json.dumps(model_spec.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:16]
-    final = Path(cache) / f"qlora-base-{key}"
-    if not final.is_dir():
-        partial = Path(tempfile.mkdtemp(prefix=f"{final.name}.partial-", dir=cache))
-        try:
-            save(str(partial))
-            os.replace(partial, final)  # another probe may have won the race: then its copy is used
-        except OSError:
-            if not final.is_dir():
-                raise
-        finally:
-            shutil.rmtree(partial, ignore_errors=True)
-    yield final
-
-
-def _memory_fields(spec: ProbeSpec, callback: Any, baseline: CudaBaseline | None) -> dict[str, Any]:
-    import torch
-
-    from autotune.probe.device import cpu_peak_rss_bytes
-
-    if spec.device.startswith("cuda") and torch.cuda.is_initialized():
-        reserved = int(torch.cuda.max_memory_reserved())
-        device_used = callback.peak_device_used_bytes if callback else None
-        sampled = callback.telemetry.mem_used_peak_bytes if callback else None
-        if sampled is not None:
-            device_used = max(sampled, device_used or 0)
-        used_before = baseline.used_before_cuda_bytes if baseline else None
-        outside = baseline.non_allocator_bytes if baseline else None
-        retries = torch.cuda.memory_stats().get("num_alloc_retries")
-        return {
-            "peak_allocated_bytes": int(torch.cuda.max_memory_allocated()),
-            "peak_reserved_bytes": reserved,
-            "peak_device_used_bytes": device_used,
-            "non_allocator_bytes": outside,
-            "num_alloc_retries": int(retries) if retries is not None else None,
-            # The ceiling is checked against what runs out: the whole device, context included.
-            "peak_mem_bytes": reported_peak_bytes(device_used, used_before, outside, reserved),
-        }
-    return {"peak_mem_bytes": cpu_peak_rss_bytes()}
-
-
-def _summarise(
-    spec: ProbeSpec, callback: Any, start_s: float, device_name: str | None, model_build_s: float | None,
-    flops_per_token: float | None, baseline: CudaBaseline | None, matmul_precision: str | None,
-) -> ProbeResult:
-    memory = _memory_fields(spec, callback, baseline)
-    setup_s = callback.train_begin_s - start_s if callback.train_begin_s else None
-    common: dict[str, Any] = {
-        "losses": tuple(callback.losses),
-        "setup_s": setup_s,
-        "model_build_s": model_build_s,
-        "model_flops_per_token": flops_per_token,
-        "device_name": device_name,
-        "matmul_precision": matmul_precision,
-        **memory,
-    }
-    if callback.diverged:
-        if callback.diverged_at_step is not None:
-            error = f"non-finite loss at step {callback.diverged_at_step}"
-        else:
-            error = f"non-finite loss at step {len(callback.losses)}: {callback.losses[-1]}"
-        return ProbeResult(status=ProbeStatus.DIVERGED, error=error, **common)
-    step_times = callback.step_times_s()
-    if len(step_times) < spec.measure_steps:
-        return ProbeResult(status=ProbeStatus.CRASH, error=f"training stopped after {len(callback.step_end_s)} steps", **common)
-    window_s = sum(step_times)
-    step_time_s = window_s / len(step_times)
-    samples_per_step = spec.params.effective_batch_size
-    samples_per_s = samples_per_step / step_time_s
-    tokens_per_s = samples_per_s * spec.seq_len
-    counted = callback.measured_batches()
-    extra: dict[str, Any] = {}
-    if counted is not None and counted[0] > 0:  # a user's Trainer: its real batches, padding not counted as tokens
-        samples_per_step = round(counted[0] / len(step_times))
-        samples_per_s, tokens_per_s = counted[0] / window_s, counted[1] / window_s
-        if spec.objective_tokens_per_sample:  # ranked by tokens: sequences of the data's mean length per second
-            extra["sequences_per_s_counted"] = samples_per_s
-            samples_per_s = tokens_per_s / spec.objective_tokens_per_sample
-    wait_fraction = min(callback.measured_fetch_s() / window_s, 1.0) if window_s > 0 else None
-    telemetry = telemetry_fields(callback.telemetry, samples_per_step * len(step_times), min_telemetry_window_s())
-    return ProbeResult(
-        status=ProbeStatus.OK,
-        samples_per_s=samples_per_s,
-        tokens_per_s=tokens_per_s,
-        step_time_s=step_time_s,
-        measured_steps=len(step_times),
-        step_time_ci95_rel=_finite_or_none(ci95_rel(step_times)),
-        stable=callback.rule.is_stable(step_times, callback.reference_step_s()),
-        warmup_s=(callback.step_end_s[spec.warmup_steps - 1] - callback.train_begin_s) if spec.warmup_steps else 0.0,
-        achieved_tflops=achieved_tflops(flops_per_token, tokens_per_s) if flops_per_token else None,
-        mfu=mfu(flops_per_token, tokens_per_s, device_name, spec.params.precision, matmul_precision) if flops_per_token else None,
-        **telemetry,
-        input_wait_fraction=wait_fraction,
-        input_bound=bool(wait_fraction is not None and wait_fraction > INPUT_BOUND_FRACTION),
-        extra={"step_times_s": step_times, "torch_threads": _torch_threads(), **_compile_counts(spec, callback), **extra},
-        **common,
-    )
-
-
-def _torch_threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
-
-
-def _finite_or_none(value: float) -> float | None:
-    return value if math.isfinite(value) else None
+    return result.replace(**parameter_fields(counts))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -372,7 +372,7 @@ class ProbedTrainer:
     def flops_per_token(self, matmul_params: int, trainable_matmul_params: int, mean_seq_len: float | None) -> float:
         """Model FLOPs per token of the real model (PaLM Appendix B, as for a built-in model) with the mean
         real sequence length of the measured batches in the attention term; ``matmul_params``: N of the
-        formula (:func:`autotune.probe.child._matmul_params`). Without layers and heads in the model's
+        formula (:func:`autotune.probe.model.matmul_params`). Without layers and heads in the model's
         config, or without a length, only ``6N``: the attention term cannot be computed, so it is left out.
         Frozen weights skip their weight-gradient matmul: 2 of the 6 FLOPs per parameter and token."""
         from autotune.probe.flops import model_flops_per_token
