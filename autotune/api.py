@@ -12,7 +12,6 @@ import contextlib
 import dataclasses
 import difflib
 import hashlib
-import json
 import os
 import shlex
 import sys
@@ -25,7 +24,6 @@ from typing import TYPE_CHECKING, Any
 import optuna
 
 import autotune.defaults as defaults
-import autotune.studies as studies
 from autotune.errors import DeviceError, StorageFailed, UsageError
 from autotune.params import PARAM_DEFAULTS, PARAM_NAMES, TrialParams
 from autotune.probe.device import detect_device
@@ -34,7 +32,8 @@ from autotune.results import TuneResult, load_result
 from autotune.search.loop import Evaluator, SearchOutcome, SearchSettings, TrialRecord, run_search
 from autotune.search.strategies.registry import DEFAULT_STRATEGY, make_strategy
 from autotune.space import NO_EFFECT_ON_CPU, Dropped, SearchSpace, parse_space, read_space_data
-from autotune.studies import DEFAULT_STORAGE
+from autotune.storage import DEFAULT_STORAGE
+from autotune.studies import opening, schema, writing
 from autotune.units import format_bytes, parse_bytes, parse_duration_s
 from autotune.version import __version__
 
@@ -48,8 +47,6 @@ FINISH_RESERVE_S = 3.0  # of the budget (at most 10% of it), for loading the res
 CEILING_SAFETY_FRACTION = 0.95  # leave 5% of the device below the ceiling for the user's real run
 # --isolation: how each probe's process starts -> autotune.probe.isolation's mode.
 ISOLATION_MODES: dict[str, IsolationMode] = {"fork": "forkserver", "cold": "cold"}
-# A resumed study must agree on these (the memory ceiling may change; the device is checked by name).
-_MUST_MATCH = ("model_config_sha1", "seq_len", "space", "effective_batch_size", "dataset", "peft", "trainer", "baseline")
 OBJECTIVES = ("tokens", "samples")
 
 
@@ -271,7 +268,7 @@ class RunPlan:
             "args": list(user.trainer_args) if user.trainer_args is not None else None,
             "files": _named_files(user.trainer_args or (), user.ref),
             "config_class": user.config_class,
-            "model_config_sha1": _config_hash(user.config),
+            "model_config_sha1": opening.config_hash(user.config),
             "trainable": counts.trainable if counts else None,
             "frozen": counts.frozen if counts else None,
             "dtypes": counts.to_dict().get("dtypes") if counts else None,
@@ -292,7 +289,7 @@ class RunPlan:
             "autotune_version": __version__,
             "model": self.model.name,
             "model_source": self.model.source,
-            "model_config_sha1": _config_hash(self.model.config),
+            "model_config_sha1": opening.config_hash(self.model.config),
             "num_parameters": self.parameters.total if self.trainer else count_parameters(self.model),
             "seq_len": self.seq_len,
             "device": self.device.to_dict(),
@@ -322,9 +319,6 @@ class RunPlan:
             "versions": package_versions(),
         }
 
-
-def _config_hash(config: dict[str, Any]) -> str:
-    return hashlib.sha1(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
 def _named_files(argv: Sequence[str], ref: Any) -> dict[str, str]:
@@ -358,14 +352,6 @@ def package_versions() -> dict[str, str]:
     return versions
 
 
-def default_study_name(model: str, seq_len: int, device: DeviceInfo, effective_batch_size: int | None, peft: Any = None) -> str:
-    name = Path(model).name if Path(model).is_dir() else model.replace("/", "--")
-    suffix = f"-ebs{effective_batch_size}" if effective_batch_size else ""
-    if peft is not None:  # a LoraSettings: the rank is in the name, other adapter settings in the hash if they clash
-        suffix += f"-{peft.method}-r{peft.r}"
-    return f"{name}-seq{seq_len}-{device.kind}{suffix}"
-
-
 def model_attention_support(model: Any) -> tuple[bool, bool]:
     """Whether this architecture has SDPA and FlashAttention paths in transformers."""
     from transformers import AutoModelForCausalLM
@@ -388,7 +374,7 @@ def plan_run(options: RunOptions) -> RunPlan:
     planned_s = time.monotonic()  # the budget is the run's wall time: planning (a --trainer check) included
     make_strategy(options.strategy)  # an unknown name fails here, before anything is touched
     if options.study is not None:
-        studies.check_study_name(options.study)
+        opening.check_study_name(options.study)
     if options.storage is not None and isinstance(options.storage, str) and not options.storage.strip():
         raise UsageError("--storage '' is empty: drop it for the default (sqlite:///autotune.db), or give a URL such as "
                          "sqlite:///runs.db")
@@ -472,7 +458,7 @@ def plan_run(options: RunOptions) -> RunPlan:
     if user is not None:
         counts = user.parameters
     name = user.ref.label if user else options.model or DEFAULT_MODEL
-    study_name = options.study or default_study_name(name, seq_len, device_info, options.effective_batch_size, lora)
+    study_name = options.study or opening.default_study_name(name, seq_len, device_info.kind, options.effective_batch_size, lora)
     plan = RunPlan(
         model=model_spec,
         device=device_info,
@@ -504,7 +490,7 @@ def plan_run(options: RunOptions) -> RunPlan:
         raise UsageError("--gpus starts worker processes, which open the storage by its URL: pass storage as a URL "
                          f"(e.g. {WORKERS_STORAGE}), not an object")
     if options.study is None:
-        plan = dataclasses.replace(plan, study_name=_own_study_name(plan))
+        plan = dataclasses.replace(plan, study_name=opening.own_study_name(plan.storage, plan.study_name, plan.study_attrs(None)))
     return plan
 
 
@@ -723,20 +709,6 @@ def _same_kind_gpus(gpus: list[int], device: str | DeviceInfo) -> DeviceInfo:
     return infos[0]
 
 
-def _own_study_name(plan: RunPlan) -> str:
-    """The default study name, or, when a study of that name was made for another space, dataset,
-    effective batch, model config or device, that name with a short hash of what differs: a run with
-    other settings starts its own study instead of failing (an explicit ``--study`` that clashes still
-    fails), and the same command finds the same study again."""
-    existing = studies.existing_settings(plan.storage, plan.study_name)
-    settings = plan.study_attrs(None)
-    if existing is None or studies.mismatch(existing, settings, _MUST_MATCH) is None:
-        return plan.study_name
-    identity = {key: settings[key] for key in _MUST_MATCH} | {"device": settings["device"]["name"]}
-    digest = hashlib.sha1(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:6]
-    return f"{plan.study_name}-{digest}"
-
-
 def _dataset_spec(dataset: str | None, text_column: str, tokenizer: str | None, model: Any) -> Any:
     """Check ``--dataset``/``--tokenizer`` now (file, format, column, tokenizer, vocabulary).
 
@@ -769,9 +741,9 @@ def open_study(plan: RunPlan, command: str | None = None) -> optuna.Study:
     Raises:
         UsageError: if the storage URL is unusable or the existing study was made for another setup.
     """
-    return studies.open_or_create(
+    return opening.open_or_create(
         plan.storage, plan.study_name, plan.study_attrs(command),
-        sampler=make_strategy(plan.strategy).sampler(plan.settings.seed), must_match=_MUST_MATCH,
+        sampler=make_strategy(plan.strategy).sampler(plan.settings.seed),
         budget_s=plan.settings.budget_s, n_trials=plan.settings.n_trials,
     )
 
@@ -847,7 +819,7 @@ def execute(
         close = getattr(evaluator, "close", None)
         if close is not None:
             close()  # files the probes shared (a QLoRA base checkpoint: gigabytes) go now, not at exit
-    studies.record_stop(study, outcome.stopped_because)
+    opening.record_stop(study, outcome.stopped_because)
     return outcome
 
 
@@ -859,7 +831,7 @@ def recover_orphans(study: optuna.Study, evaluator: Evaluator, ceiling_bytes: in
     for orphan in found() if found is not None else []:
         number, params = orphan.note.get("trial"), orphan.note.get("params")
         if isinstance(number, int) and isinstance(params, dict):
-            recorded += studies.record_recovered(study, number, TrialParams.from_dict(params), orphan.result, ceiling_bytes) is not None
+            recorded += writing.record_recovered(study, number, TrialParams.from_dict(params), orphan.result, ceiling_bytes) is not None
         orphan.discard()
     return recorded
 
@@ -917,7 +889,7 @@ def finished_trials(study: optuna.Study) -> int:
     """Probes a resumed study already holds (repeats and re-measures not counted)."""
     return sum(
         1 for t in study.get_trials(deepcopy=False)
-        if t.state.is_finished() and not {studies.ATTR_DUPLICATE_OF, studies.ATTR_REMEASURE_OF} & set(t.user_attrs)
+        if t.state.is_finished() and not {schema.ATTR_DUPLICATE_OF, schema.ATTR_REMEASURE_OF} & set(t.user_attrs)
     )
 
 
@@ -961,19 +933,19 @@ def run_plan(
         check_writable_file(best_json, "--output")
     study = open_study(plan, command)
     if plan.settings.budget_s and not join:  # when the shared budget ends, for workers (this run's, or joining later)
-        studies.record_deadline(study, time.time() - (time.monotonic() - started_s) + plan.settings.budget_s
+        writing.record_deadline(study, time.time() - (time.monotonic() - started_s) + plan.settings.budget_s
                                 - finish_reserve_s(plan.settings.budget_s))
     if on_open:
         on_open(plan, finished_trials(study))
-    report_path = Path(report_dir) / studies.report_file_name(plan.study_name) if report_dir is not None else None
+    report_path = Path(report_dir) / opening.report_file_name(plan.study_name) if report_dir is not None else None
     try:
-        with studies.storage_errors(plan.storage, during_run=True):
+        with opening.storage_errors(plan.storage, during_run=True):
             if plan.gpus:
                 from autotune.workers import run_workers
 
                 outcome = run_workers(study, plan.storage, [f"cuda:{gpu}" for gpu in plan.gpus], plan.memory_ceiling_bytes,
                                       n_trials=plan.settings.n_trials, on_start=on_start, on_trial=on_trial)
-                studies.record_stop(study, outcome.stopped_because)
+                opening.record_stop(study, outcome.stopped_because)
             else:
                 outcome = execute(plan, study, evaluator or plan_evaluator(plan), on_trial=on_trial, on_start=on_start,
                                   started_s=started_s)

@@ -165,10 +165,10 @@ def recorded_command(argv: Sequence[str]) -> str:
 def cmd_run(args: argparse.Namespace) -> int:
     import dataclasses
 
-    import autotune.studies as studies
     from autotune.api import RunOptions, plan_run, run_plan
     from autotune.console import LiveProgress, PipeConsole, print_header, print_summary
     from autotune.results import no_result_error
+    from autotune.studies import opening
 
     console = PipeConsole(highlight=False)
     if not console.is_terminal:  # logs and CI: wide enough for the ranked table
@@ -185,7 +185,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # outside a probe (inside one the loop stops cleanly): best.json and the report are written
         if console.reader_gone:
             return EXIT_BROKEN_PIPE
-        report = Path(args.report_dir) / studies.report_file_name(plan.study_name)
+        report = Path(args.report_dir) / opening.report_file_name(plan.study_name)
         console.print(f"interrupted; report: {report}" if report.is_file() else
                       f"interrupted before the report was written: `autotune report {plan.study_name} --storage {plan.storage}` writes it")
         raise
@@ -229,17 +229,17 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
 def cmd_worker(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    import autotune.studies as studies
     from autotune.api import RunOptions, plan_run, run_plan
     from autotune.console import LiveProgress
+    from autotune.studies import opening, writing
     from autotune.workers import PARENT_RUN_ENV, options_for_worker, parse_gpus, run_workers
 
     if os.environ.get(PARENT_RUN_ENV):  # started by `autotune run --gpus`: end with it, even if it is kill -9'd
         from autotune.probe.lifetime import die_with_parent
 
         die_with_parent()
-    study = studies.load_existing(args.study, args.storage)
-    settings = {**studies.settings_of(study), "deadline_unix_s": studies.deadline_unix_s(study)}
+    study = opening.load_existing(args.study, args.storage)
+    settings = {**opening.settings_of(study), "deadline_unix_s": writing.deadline_unix_s(study)}
     gpus = parse_gpus(args.gpus)
     if gpus is not None:  # one worker process per GPU, each of them this command with --device cuda:N
         outcome = run_workers(study, args.storage, [f"cuda:{gpu}" for gpu in gpus], int(settings["memory_ceiling_bytes"]),
@@ -403,7 +403,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     from autotune.units import format_bytes
 
     result = load_result(args.study, args.storage)
-    from autotune.studies import report_file_name
+    from autotune.studies.opening import report_file_name
 
     path = write_report(result, args.output or Path("reports") / report_file_name(args.study))
     print(f"report: {path} ({format_bytes(path.stat().st_size)}, {len(result.trials)} trials)")

@@ -2,7 +2,7 @@
 
 The adapter settings are the user's choice, never tuned: the rank changes the model (what is trained,
 how much optimizer state there is), so a LoRA study is a study of its own (its settings are part of
-the study's identity, ``autotune.api._MUST_MATCH``). Defaults are peft's own ``LoraConfig`` defaults:
+the study's identity, ``autotune.studies.IDENTITY_KEYS``). Defaults are peft's own ``LoraConfig`` defaults:
 rank 8, alpha 8, dropout 0, and peft's default target modules for the architecture
 (``query_key_value`` for GPT-NeoX, ``c_attn`` for GPT-2, ``q_proj,v_proj`` for Llama).
 
@@ -319,7 +319,7 @@ def _parameter_counts_cached(spec_json: str, settings: LoraSettings | None) -> P
     return dataclasses.replace(counts, dtypes={}, trainable_dtypes={})
 
 
-# How a QLoRA probe loads its base (autotune.probe.child._build_4bit_model), for the user's script.
+# How a QLoRA probe loads its base (autotune.probe.model._build_4bit_model), for the user's script.
 QLORA_BASE_CODE = ('from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", '
                    'bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=the bf16/fp16 dtype trained in)), then '
                    'peft.prepare_model_for_kbit_training(model)')

@@ -15,20 +15,12 @@ from typing import Any
 import optuna
 import pandas as pd
 
-import autotune.studies as studies
 from autotune.errors import NoResult, NothingFits
 from autotune.params import KNOBS_ADDED_LATER, PARAM_DEFAULTS, PARAM_NAMES, TrialParams
 from autotune.records import Probe, ProbeResult, ProbeStatus
 from autotune.search.ranking import rank_configurations
-from autotune.studies import (
-    ATTR_DUPLICATE_OF,
-    ATTR_PARAMS,
-    ATTR_PREDICTED_PEAK,
-    ATTR_REASON,
-    ATTR_REMEASURE_OF,
-    ATTR_RESULT,
-    ATTR_STATUS,
-)
+from autotune.studies import opening, reading, schema
+from autotune.studies.schema import ATTR_DUPLICATE_OF, ATTR_PARAMS, ATTR_PREDICTED_PEAK, ATTR_REASON, ATTR_REMEASURE_OF, ATTR_RESULT, ATTR_STATUS
 
 RESULT_COLUMNS = (
     "samples_per_s",
@@ -95,8 +87,8 @@ def trials_frame(study: optuna.Study, memory_ceiling_bytes: int | None, *, inclu
             "trial": trial.number,
             "state": state,
             "status": attrs.get(ATTR_STATUS, "running" if state == "running" else state),
-            "is_baseline": studies.is_baseline(trial),
-            "role": attrs.get(studies.ATTR_ROLE),
+            "is_baseline": reading.is_baseline(trial),
+            "role": attrs.get(schema.ATTR_ROLE),
             "duplicate_of": attrs.get(ATTR_DUPLICATE_OF),
             "remeasure_of": attrs.get(ATTR_REMEASURE_OF),
         }
@@ -594,14 +586,14 @@ def load_result(study_name: str, storage: Any, *, stopped_because: str | None = 
         UsageError: bad storage, no such study (the message lists the ones there are), or a study
             that autotune did not make.
     """
-    study = studies.load_existing(study_name, storage)
-    settings = studies.settings_of(study)
+    study = opening.load_existing(study_name, storage)
+    settings = opening.settings_of(study)
     return TuneResult(
         study_name=study_name,
         storage=storage,
         trials=trials_frame(study, settings.get("memory_ceiling_bytes")),
         settings=settings,
-        stopped_because=stopped_because or studies.last_stop(settings),
+        stopped_because=stopped_because or opening.last_stop(settings),
     )
 
 
@@ -627,7 +619,7 @@ def list_studies(storage: Any) -> list[StudyRow]:
         UsageError: bad storage.
     """
     rows = []
-    for stored in studies.stored_studies(storage):
+    for stored in opening.stored_studies(storage):
         name = stored.name
         if not stored.ours:
             rows.append(StudyRow(name=name, model="-", device="-", n_trials=stored.n_trials, counts={}, best_samples_per_s=None,

@@ -32,12 +32,12 @@ from typing import Any
 import optuna
 
 import autotune.defaults as defaults
-import autotune.studies as studies
 from autotune.errors import EXIT_INTERRUPTED, EXIT_NO_RESULT, EXIT_NOTHING_FITS, EXIT_TERMINATED, DeviceError, UsageError
 from autotune.params import TrialParams
 from autotune.records import ProbeStatus
 from autotune.search.loop import SearchOutcome, TrialRecord
 from autotune.space import SearchSpace
+from autotune.studies import reading, schema
 
 PARENT_RUN_ENV = "AUTOTUNE_PARENT_RUN"  # set for workers that `autotune run --gpus` starts: they die with it
 FOLLOW_POLL_S = 1.0
@@ -147,14 +147,14 @@ def _records(trials: list[optuna.trial.FrozenTrial], ceiling_bytes: int, shown: 
     """The probes finished since the last look, as progress records."""
     by_number = {t.number: t for t in trials}
     records = []
-    for probe in studies.probes_in(trials):
+    for probe in reading.probes_in(trials):
         if probe.number in shown:
             continue
         shown.add(probe.number)
         attrs = by_number[probe.number].user_attrs
         records.append(TrialRecord(
             number=probe.number, params=probe.params, result=probe.result, feasible=probe.result.fits(ceiling_bytes),
-            is_baseline=attrs.get(studies.ATTR_ROLE) == studies.ROLE_BASELINE, remeasure_of=attrs.get(studies.ATTR_REMEASURE_OF),
+            is_baseline=attrs.get(schema.ATTR_ROLE) == schema.ROLE_BASELINE, remeasure_of=attrs.get(schema.ATTR_REMEASURE_OF),
         ))
     return records
 
@@ -183,14 +183,14 @@ def run_workers(
     env = {**os.environ, PARENT_RUN_ENV: str(os.getpid())}
     procs = [subprocess.Popen(make(device), env=env, stdin=subprocess.DEVNULL) for device in devices]
     outcome = SearchOutcome(stopped_because="n_trials" if n_trials is not None else "budget")
-    shown: set[int] = {p.number for p in studies.probes_in(studies.read_trials(study))}  # resumed ones are not news
+    shown: set[int] = {p.number for p in reading.probes_in(reading.read_trials(study))}  # resumed ones are not news
     started: set[int] = set()
 
     def follow() -> None:
-        trials = studies.read_trials(study)
+        trials = reading.read_trials(study)
         for trial in trials:
             if trial.state == optuna.trial.TrialState.RUNNING and trial.number not in started and on_start:
-                params = trial.user_attrs.get(studies.ATTR_PARAMS)
+                params = trial.user_attrs.get(schema.ATTR_PARAMS)
                 if params:
                     started.add(trial.number)
                     on_start(trial.number, TrialParams.from_dict(params))

@@ -69,13 +69,13 @@ import numpy as np  # noqa: E402
 import optuna  # noqa: E402
 from optuna.trial import TrialState  # noqa: E402
 
-import autotune.studies as studies  # noqa: E402
 from autotune.params import TrialParams  # noqa: E402
 from autotune.search.loop import Evaluator, SearchOutcome, SearchSettings, TrialRecord, run_search  # noqa: E402
 from autotune.search.ranking import rank_configurations  # noqa: E402
 from autotune.search.replay import SharedVirtualClock, WorkerClock  # noqa: E402
 from autotune.search.strategies.registry import DEFAULT_STRATEGY, make_strategy  # noqa: E402
 from autotune.space import SearchSpace  # noqa: E402
+from autotune.studies import reading, schema  # noqa: E402
 from autotune.units import parse_bytes, parse_duration_s  # noqa: E402
 
 TARGET = 0.98
@@ -236,7 +236,7 @@ def simulate(world: World, n_workers: int, *, budget_s: float, strategy: str = D
             with check:
                 if reached:
                     return
-                ranked = rank_configurations(studies.stored_probes(study), world.ceiling_bytes)
+                ranked = rank_configurations(reading.stored_probes(study), world.ceiling_bytes)
                 if ranked and world.noise_free(ranked[0].params) >= TARGET * world.true_samples_per_s:
                     reached.append(clock.now())
                     if not full:
@@ -269,7 +269,7 @@ def simulate(world: World, n_workers: int, *, budget_s: float, strategy: str = D
             thread.join()
         study = optuna.load_study(study_name=name, storage=shared_storage)
         trials = study.get_trials()
-        probes = studies.stored_probes(study)
+        probes = reading.stored_probes(study)
         ranked = rank_configurations(probes, world.ceiling_bytes)
         final = world.noise_free(ranked[0].params) / world.true_samples_per_s if ranked else 0.0
         done = [o for o in outcomes if o is not None]
@@ -280,7 +280,7 @@ def simulate(world: World, n_workers: int, *, budget_s: float, strategy: str = D
             repeats=sum(o.duplicates for o in done), pruned=sum(o.pruned for o in done),
             duplicate_probes=duplicate_probes(trials),
             unfinished_trials=sum(t.state in (TrialState.RUNNING, TrialState.WAITING) for t in trials),
-            interrupted_trials=sum(t.user_attrs.get(studies.ATTR_REASON) == "interrupted by the user" for t in trials),
+            interrupted_trials=sum(t.user_attrs.get(schema.ATTR_REASON) == "interrupted by the user" for t in trials),
             stopped=sorted(o.stopped_because for o in done), errors=errors, cpu_s=round(time.process_time() - started_cpu_s, 2),
         )
 
@@ -288,10 +288,10 @@ def simulate(world: World, n_workers: int, *, budget_s: float, strategy: str = D
 def duplicate_probes(trials: list[optuna.trial.FrozenTrial]) -> int:
     """Probes of a configuration beyond its first, deliberate re-measures excepted (but a (configuration,
     round) re-measured twice counts): what a correct multi-worker search never does."""
-    ran = [t for t in trials if studies.ATTR_RESULT in t.user_attrs and studies.ATTR_DUPLICATE_OF not in t.user_attrs]
-    exploring = collections.Counter(studies.config_key(t) for t in ran if studies.ATTR_REMEASURE_OF not in t.user_attrs)
+    ran = [t for t in trials if schema.ATTR_RESULT in t.user_attrs and schema.ATTR_DUPLICATE_OF not in t.user_attrs]
+    exploring = collections.Counter(reading.config_key(t) for t in ran if schema.ATTR_REMEASURE_OF not in t.user_attrs)
     rounds = collections.Counter(
-        (t.user_attrs[studies.ATTR_REMEASURE_OF], t.user_attrs.get(studies.ATTR_REMEASURE_ROUND)) for t in ran if studies.ATTR_REMEASURE_OF in t.user_attrs
+        (t.user_attrs[schema.ATTR_REMEASURE_OF], t.user_attrs.get(schema.ATTR_REMEASURE_ROUND)) for t in ran if schema.ATTR_REMEASURE_OF in t.user_attrs
     )
     return sum(n - 1 for n in exploring.values()) + sum(n - 1 for n in rounds.values())
 

@@ -11,7 +11,7 @@ from autotune.results import TuneResult, load_result
 from autotune.search.loop import SearchSettings, run_search
 from autotune.search.strategies.baselines import tpe_sampler as make_sampler
 from autotune.space import parse_space
-from autotune.studies import ATTR_ROLE, ROLE_BASELINE, STUDY_ATTR
+from autotune.studies.schema import ATTR_ROLE, ROLE_BASELINE, STUDY_ATTR
 from tests.conftest import FakeEvaluator, GiB
 
 CEILING = 12 * GiB

@@ -79,9 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.owner:
-        import autotune.studies as studies
+        from autotune.studies import reading
 
-        studies.owner = lambda: args.owner  # type: ignore[assignment]
+        reading.owner = lambda: args.owner  # type: ignore[assignment]
     # The quick space, from the test when it passes it: validating it again imports transformers (seconds).
     space = SearchSpace.from_dict(json.loads(args.space_json.read_text())) if args.space_json else load_space("quick")
     evaluator = SleepingGPU(oom_above_bytes=OOM_ABOVE_BYTES, sleep_s=args.probe_s, hang_file=args.hang_file, hang_after=args.hang_after)

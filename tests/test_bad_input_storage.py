@@ -354,13 +354,13 @@ def test_an_api_option_of_the_wrong_type_is_one_line_naming_it(keywords, named) 
 def test_during_a_run_only_the_storages_own_errors_become_a_storage_failure(tmp_path) -> None:
     import json as json_lib
 
-    from autotune import studies
     from autotune.errors import StorageFailed
+    from autotune.studies import opening
 
     url = f"sqlite:///{tmp_path / 'a.db'}"
     for error in (optuna.exceptions.StorageInternalError("commit"), OSError(30, "Read-only file system"), sqlite3.OperationalError("locked"),
                   json_lib.JSONDecodeError("torn", "{", 1)):
-        with pytest.raises(StorageFailed, match="failed during the run"), studies.storage_errors(url, during_run=True):
+        with pytest.raises(StorageFailed, match="failed during the run"), opening.storage_errors(url, during_run=True):
             raise error
-    with pytest.raises(ValueError, match="a bug"), studies.storage_errors(url, during_run=True):
+    with pytest.raises(ValueError, match="a bug"), opening.storage_errors(url, during_run=True):
         raise ValueError("a bug")  # the search's own error is shown as it is, not blamed on the storage

@@ -136,7 +136,7 @@ def test_an_empty_storage_is_refused(tmp_path, monkeypatch, capsys) -> None:
 
 
 def test_a_report_never_leaves_its_folder() -> None:
-    from autotune.studies import report_file_name
+    from autotune.studies.opening import report_file_name
 
     assert report_file_name("../../escape") == "_.._escape.html" and "/" not in report_file_name("a/b")
     assert report_file_name("tiny-gptneox-seq128-cpu") == "tiny-gptneox-seq128-cpu.html"

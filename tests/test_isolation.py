@@ -232,8 +232,7 @@ def test_a_fork_that_fails_as_the_server_dies_is_run_cold(monkeypatch) -> None:
 
 def test_a_probe_whose_server_died_under_it_is_probed_once_more_not_blamed(monkeypatch) -> None:
     """kill -9 of the server while a probe ran: its exit is never reported (255); that is the server's fault."""
-    from autotune import studies
-
+    from autotune.studies import reading
     class Lost(isolation._ForkedChild):
         def __init__(self) -> None:
             self.pid = 0
@@ -250,7 +249,7 @@ def test_a_probe_whose_server_died_under_it_is_probed_once_more_not_blamed(monke
     monkeypatch.setattr(isolation, "server_problem", lambda: next(problems))
     result = isolation.run_isolated(_spec(), timeout_s=60)
     assert result.status == "crash" and result.error.startswith(isolation.LOST_WITH_SERVER) and result.process_lost
-    assert studies.killed(result)  # what the loop retries once
+    assert reading.killed(result)  # what the loop retries once
 
 
 def test_a_process_that_ended_is_not_running_even_before_its_parent_reaps_it() -> None:

@@ -15,7 +15,7 @@ from autotune.search.loop import SearchSettings, VirtualClock, ranked_configurat
 from autotune.search.ranking import noise_band
 from autotune.search.strategies.baselines import tpe_sampler as make_sampler
 from autotune.space import parse_space
-from autotune.studies import ATTR_DUPLICATE_OF, ATTR_OWNER, ATTR_REASON, ATTR_REMEASURE_OF, ATTR_REUSABLE
+from autotune.studies.schema import ATTR_DUPLICATE_OF, ATTR_OWNER, ATTR_REASON, ATTR_REMEASURE_OF, ATTR_REUSABLE
 from tests.conftest import FakeEvaluator, GiB, NoisyEvaluator
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)

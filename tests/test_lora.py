@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from autotune import lora
-from autotune.api import _MUST_MATCH, RunOptions, plan_run
+from autotune.api import RunOptions, plan_run
 from autotune.errors import EXIT_USAGE, UsageError
 from autotune.lora import LoraSettings, ParameterCounts, count_model_parameters, parameter_counts
 from autotune.models import BUILTIN_MODELS, build_model, resolve_model
@@ -70,7 +70,7 @@ def test_tiny_models_train_only_their_adapters(name: str) -> None:
     """Built for real on the CPU, wrapped as the probe does (checkpointing on): only the adapters get
     gradients, the counts the probe reports are peft's, and the rank and targets are the user's."""
     from autotune.lora import count_model_parameters
-    from autotune.probe.child import _wrap_in_adapters
+    from autotune.probe.model import _wrap_in_adapters
 
     spec = resolve_model(name)
     settings = LoraSettings("lora", r=4, alpha=8.0)
@@ -96,7 +96,8 @@ def _measured_static_bytes(name: str, settings: LoraSettings | None, optim: str,
     built model's :func:`count_model_parameters`, as a probe of a user's Trainer counts it."""
     from transformers import Trainer
 
-    from autotune.probe.child import SyntheticTokens, _wrap_in_adapters, probe_training_arguments
+    from autotune.probe.child import SyntheticTokens, probe_training_arguments
+    from autotune.probe.model import _wrap_in_adapters
     from autotune.records import ProbeSpec
 
     spec = resolve_model(name)
@@ -220,7 +221,7 @@ def _options(tmp_path, **values) -> RunOptions:
 
 
 def test_plan_records_the_adapters_as_study_identity(tmp_path) -> None:
-    from autotune import studies
+    from autotune.studies import opening
     from autotune.workers import options_for_worker
 
     plan = plan_run(_options(tmp_path, peft="lora", lora_r=16, lora_alpha=32, lora_target_modules="query_key_value,dense"))
@@ -229,10 +230,10 @@ def test_plan_records_the_adapters_as_study_identity(tmp_path) -> None:
     attrs = plan.study_attrs(None)
     assert attrs["peft"]["r"] == 16 and attrs["parameters"]["trainable"] == plan.parameters.trainable
     assert attrs["parameters"]["trainable"] == 2 * 16 * ((128 + 384) + (128 + 128))
-    assert "peft" in _MUST_MATCH
+    assert "peft" in opening.IDENTITY_KEYS
     other = plan_run(_options(tmp_path, peft="lora", lora_r=16, lora_alpha=16, lora_target_modules="query_key_value,dense"))
-    assert studies.mismatch(attrs, other.study_attrs(None), _MUST_MATCH) == "was made with a different peft (alpha: 32.0 then, 16.0 now)"
-    assert studies.mismatch({**attrs, "peft": None}, plan_run(_options(tmp_path)).study_attrs(None), _MUST_MATCH) is None
+    assert opening.mismatch(attrs, other.study_attrs(None)) == "was made with a different peft (alpha: 32.0 then, 16.0 now)"
+    assert opening.mismatch({**attrs, "peft": None}, plan_run(_options(tmp_path)).study_attrs(None)) is None
     # A worker joining the study probes with the same adapters.
     joined = options_for_worker(attrs, storage="sqlite://", study=plan.study_name, device="cpu", budget="1m", n_trials=None, seed_offset=1)
     assert plan_run(RunOptions(**{**joined, "storage": f"sqlite:///{tmp_path / 'a.db'}"})).peft == plan.peft
@@ -353,7 +354,7 @@ def test_the_qlora_base_is_written_once_per_run_and_reused(tmp_path, monkeypatch
     from transformers import AutoModelForCausalLM
 
     import autotune.models as models
-    from autotune.probe import child
+    from autotune.probe.model import qlora_base_checkpoint
 
     builds = []
     original = models.build_model  # the child imports it where it builds: counted here
@@ -365,25 +366,25 @@ def test_the_qlora_base_is_written_once_per_run_and_reused(tmp_path, monkeypatch
     monkeypatch.setattr(models, "build_model", counting_build)
     monkeypatch.setenv("AUTOTUNE_RUN_CACHE", str(tmp_path))
     spec = resolve_model("tiny-llama")
-    with child.qlora_base_checkpoint(spec) as first:
+    with qlora_base_checkpoint(spec) as first:
         assert first.parent == tmp_path and (first / "config.json").exists()
-    with child.qlora_base_checkpoint(spec) as second:
+    with qlora_base_checkpoint(spec) as second:
         assert second == first
     assert builds == [torch.bfloat16]  # built once, in bf16
     loaded = AutoModelForCausalLM.from_pretrained(first)
     assert loaded.dtype == torch.bfloat16
     assert sum(p.numel() for p in loaded.parameters()) == sum(p.numel() for p in build_model(spec, attn_implementation=None, device="cpu").parameters())
-    with child.qlora_base_checkpoint(resolve_model("tiny-gptneox")) as other:
+    with qlora_base_checkpoint(resolve_model("tiny-gptneox")) as other:
         assert other != first  # one checkpoint per model
     assert not list(tmp_path.glob("*.partial-*"))  # nothing half-written left
 
 
 def test_outside_a_run_the_qlora_base_is_temporary(tmp_path, monkeypatch) -> None:
-    from autotune.probe import child
+    from autotune.probe.model import qlora_base_checkpoint
 
     monkeypatch.delenv("AUTOTUNE_RUN_CACHE", raising=False)
     monkeypatch.setenv("AUTOTUNE_PROBE_SCRATCH", str(tmp_path))
-    with child.qlora_base_checkpoint(resolve_model("tiny-gptneox")) as folder:
+    with qlora_base_checkpoint(resolve_model("tiny-gptneox")) as folder:
         assert folder.parent == tmp_path and (folder / "config.json").exists()
     assert not folder.exists()
 

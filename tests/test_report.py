@@ -392,7 +392,7 @@ def _tie_study(storage: str) -> TuneResult:
     from autotune.search.loop import SearchSettings, run_search
     from autotune.search.strategies.baselines import tpe_sampler as make_sampler
     from autotune.space import parse_space
-    from autotune.studies import STUDY_ATTR
+    from autotune.studies.schema import STUDY_ATTR
     from tests.conftest import GiB, NoisyEvaluator
     from tests.report_studies import DEVICE, settings
 
@@ -511,7 +511,7 @@ def _liger_study(storage: str) -> TuneResult:
     from autotune.params import TrialParams, baseline_params
     from autotune.search.loop import SearchSettings, run_search
     from autotune.space import parse_space
-    from autotune.studies import ATTR_ROLE, ROLE_BASELINE, STUDY_ATTR
+    from autotune.studies.schema import ATTR_ROLE, ROLE_BASELINE, STUDY_ATTR
     from tests.report_studies import CEILING, settings
 
     space_dict = {"per_device_train_batch_size": [8, 16], "use_liger_kernel": [False, True], "torch_empty_cache_steps": [None, 4]}
@@ -553,7 +553,7 @@ def test_a_study_from_before_the_later_knobs_reads_them_at_their_defaults(result
     import optuna
 
     from autotune.params import KNOBS_ADDED_LATER, TrialParams
-    from autotune.studies import ATTR_PARAMS, STUDY_ATTR
+    from autotune.studies.schema import ATTR_PARAMS, STUDY_ATTR
 
     source = optuna.load_study(study_name=result.study_name, storage=result.storage)
     old = optuna.create_study(study_name="old", storage=storage, direction="maximize")

@@ -174,8 +174,8 @@ def test_a_probe_counts_only_non_padding_tokens_and_records_changed_arguments() 
 def test_a_module_factory_plans_its_study_and_warns_about_changed_arguments(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from rich.console import Console
 
-    from autotune import studies
     from autotune.console import print_header
+    from autotune.studies import opening
     from autotune.workers import options_for_worker
 
     package = tmp_path / "project" / "mypkg"
@@ -195,13 +195,13 @@ def test_a_module_factory_plans_its_study_and_warns_about_changed_arguments(tmp_
     attrs = plan.study_attrs(None)
     assert attrs["trainer"]["reference"] == "mypkg.train:make_trainer_changing_args" and attrs["trainer"]["args"] is None
     assert attrs["probe"]["trainer_sys_path"] == str(package.parent)
-    assert attrs["num_parameters"] == 12_704 and "trainer" in api._MUST_MATCH
+    assert attrs["num_parameters"] == 12_704 and "trainer" in opening.IDENTITY_KEYS
     # A worker joining from another directory imports the module as the run did, and finds the same study.
     monkeypatch.chdir(tmp_path)
     joined = options_for_worker(attrs, storage="sqlite://", study=plan.study_name, device="cpu", budget="1m", n_trials=None, seed_offset=1)
     assert joined["model"] is None and joined["seq_len"] is None
     worker = plan_run(RunOptions(**{**joined, "storage": f"sqlite:///{tmp_path / 'a.db'}"}))
-    assert studies.mismatch(attrs, worker.study_attrs(None), api._MUST_MATCH) is None
+    assert opening.mismatch(attrs, worker.study_attrs(None)) is None
     evaluator = api.plan_evaluator(worker)
     assert (evaluator.trainer, evaluator.trainer_sys_path) == ("mypkg.train:make_trainer_changing_args", str(package.parent))
 

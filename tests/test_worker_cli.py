@@ -11,11 +11,11 @@ from collections import Counter
 import optuna
 import pytest
 
-import autotune.studies as studies
 from autotune.api import RunOptions, open_study, plan_run
 from autotune.errors import DeviceError, UsageError
 from autotune.records import DeviceInfo
 from autotune.storage import to_optuna
+from autotune.studies import opening, reading, schema, writing
 from autotune.workers import options_for_worker, parse_gpus, run_workers, worker_command
 
 FAST = ["--model", "tiny-gptneox", "--seq-len", "32", "--warmup-steps", "1", "--measure-steps", "2", "--device", "cpu",
@@ -53,13 +53,13 @@ def test_a_worker_rebuilds_the_run_from_the_study_and_its_deadline(tmp_path) -> 
     storage = f"sqlite:///{tmp_path / 'a.db'}"
     plan = plan_run(RunOptions(storage=storage, study="s", budget="20m", device="cpu", trial_timeout="2m", seed=5, **COMMON))
     study = open_study(plan)
-    settings = {**studies.settings_of(study), "deadline_unix_s": time.time() + 600}
+    settings = {**opening.settings_of(study), "deadline_unix_s": time.time() + 600}
     options = options_for_worker(settings, storage=storage, study="s", device="cpu", budget=None, n_trials=None, seed_offset=3)
     joined = plan_run(RunOptions(**options))
     assert joined.study_name == "s" and joined.space.to_dict() == plan.space.to_dict()
     assert joined.seq_len == 32 and joined.warmup_steps == 1 and joined.settings.trial_timeout_s == 120
     assert joined.settings.seed == 8 and 590 < joined.settings.budget_s <= 600  # the study's deadline, not its own
-    assert studies.mismatch(studies.settings_of(study), joined.study_attrs(None), ("model_config_sha1", "space", "seq_len")) is None
+    assert opening.mismatch(opening.settings_of(study), joined.study_attrs(None), ("model_config_sha1", "space", "seq_len")) is None
     with pytest.raises(UsageError, match="shared budget .* has ended: give --budget"):
         options_for_worker({**settings, "deadline_unix_s": time.time() - 5}, storage=storage, study="s", device="cpu",
                            budget=None, n_trials=None, seed_offset=1)
@@ -85,8 +85,8 @@ def test_the_worker_command_refuses_a_study_it_cannot_join(tmp_path, capsys) -> 
 def _assert_one_search(storage: str) -> Counter[tuple]:
     trials = optuna.load_study(study_name="s", storage=storage).trials
     assert not [t.number for t in trials if t.state.name in ("RUNNING", "WAITING")]
-    probes = studies.probes_in(trials)
-    remeasures = {t.number for t in trials if studies.ATTR_REMEASURE_OF in t.user_attrs}
+    probes = reading.probes_in(trials)
+    remeasures = {t.number for t in trials if schema.ATTR_REMEASURE_OF in t.user_attrs}
     counts = Counter(p.params.key() for p in probes if p.number not in remeasures)
     assert counts and max(counts.values()) == 1, counts  # no configuration probed twice by accident
     return counts
@@ -99,7 +99,7 @@ def test_a_run_and_a_joining_worker_are_one_search(tmp_path) -> None:
                             "--budget", "4m", "--n-trials", "2", "--report-dir", str(tmp_path / "reports")],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and (not (tmp_path / "s.log").exists() or studies.deadline_unix_s(
+    while time.monotonic() < deadline and (not (tmp_path / "s.log").exists() or writing.deadline_unix_s(
             optuna.load_study(study_name="s", storage=to_optuna(storage, write=False))) is None):
         time.sleep(0.5)
     worker = subprocess.run([sys.executable, "-m", "autotune.cli", "worker", "--storage", storage, "--study", "s",
@@ -116,7 +116,7 @@ def test_run_workers_starts_one_worker_per_device_and_follows_the_study(tmp_path
     storage = f"sqlite:///{tmp_path / 'a.db'}"
     plan = plan_run(RunOptions(storage=storage, study="s", budget="5m", device="cpu", **COMMON))
     study = open_study(plan)
-    studies.record_deadline(study, time.time() + 240)
+    writing.record_deadline(study, time.time() + 240)
     seen = []
     outcome = run_workers(study, storage, ["cpu", "cpu"], plan.memory_ceiling_bytes, on_trial=seen.append,
                           command=lambda device: worker_command(storage, "s", device, n_trials=1))

@@ -18,7 +18,6 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-import autotune.studies as studies
 from autotune.params import TrialParams
 from autotune.records import ProbeResult
 from autotune.results import trials_frame
@@ -26,6 +25,7 @@ from autotune.search.loop import SearchSettings, run_search
 from autotune.search.strategies.base import SeenKeys
 from autotune.search.strategies.registry import make_strategy
 from autotune.space import SearchSpace, load_space
+from autotune.studies import reading, schema, writing
 from tests import conftest
 from tests.search_worker import CEILING_BYTES, OOM_ABOVE_BYTES, SleepingGPU, open_study
 
@@ -76,11 +76,11 @@ def _space_file(space: SearchSpace, tmp_path: Path) -> Path:
 
 def _probes(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
     """Trials that ran a probe (held and repeated trials excluded), re-measures included."""
-    return [t for t in study.get_trials() if studies.ATTR_RESULT in t.user_attrs and studies.ATTR_DUPLICATE_OF not in t.user_attrs]
+    return [t for t in study.get_trials() if schema.ATTR_RESULT in t.user_attrs and schema.ATTR_DUPLICATE_OF not in t.user_attrs]
 
 
 def _key(trial: optuna.trial.FrozenTrial) -> tuple[Any, ...]:
-    return TrialParams.from_dict(trial.user_attrs[studies.ATTR_PARAMS]).key()
+    return TrialParams.from_dict(trial.user_attrs[schema.ATTR_PARAMS]).key()
 
 
 def _settings(**changes: Any) -> SearchSettings:
@@ -111,19 +111,19 @@ def test_workers_search_one_study_as_one_search(storage: str, n_workers: int, qu
     trials = study.get_trials()
     assert not [t.number for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
     probes = _probes(study)
-    exploring = [t for t in probes if studies.ATTR_REMEASURE_OF not in t.user_attrs]
+    exploring = [t for t in probes if schema.ATTR_REMEASURE_OF not in t.user_attrs]
     # No configuration probed twice: only deliberate re-measures repeat one.
     assert len({_key(t) for t in exploring}) == len(exploring)
-    rounds = collections.Counter((t.user_attrs[studies.ATTR_REMEASURE_OF], t.user_attrs.get(studies.ATTR_REMEASURE_ROUND))
-                                 for t in probes if studies.ATTR_REMEASURE_OF in t.user_attrs)
+    rounds = collections.Counter((t.user_attrs[schema.ATTR_REMEASURE_OF], t.user_attrs.get(schema.ATTR_REMEASURE_ROUND))
+                                 for t in probes if schema.ATTR_REMEASURE_OF in t.user_attrs)
     assert all(n == 1 for n in rounds.values()), rounds
     # Each worker ran its N_TRIALS exploring probes; they add up, the baseline once among them.
     assert len(exploring) == n_workers * N_TRIALS == sum(len(r["probes"]) for r in reports) - sum(rounds.values())
-    assert sum(studies.is_baseline(t) for t in exploring) == 1
+    assert sum(reading.is_baseline(t) for t in exploring) == 1
     # Held trials (claims lost to another worker) are no probe, outcome or failure to any reader.
     frame = trials_frame(study, CEILING_BYTES)
     assert "fail" not in set(frame["status"])
-    assert len(frame) == len([t for t in trials if studies.ATTR_DUPLICATE_OF not in t.user_attrs])
+    assert len(frame) == len([t for t in trials if schema.ATTR_DUPLICATE_OF not in t.user_attrs])
     assert sum(frame["status"].isin(["ok", "oom"])) == len(probes)
 
 
@@ -166,10 +166,10 @@ def test_a_killed_worker_is_failed_and_its_configuration_probed_once_more(
     run_search(study, quick, gpu, _settings(n_trials=10), baseline=quick.baseline(), strategy=make_strategy("tpe"))
     dead = study.get_trials()[hung["trial"]]
     assert dead.state == TrialState.FAIL
-    assert studies.ATTR_DIED in dead.user_attrs and dead.user_attrs[studies.ATTR_REUSABLE] is False
-    assert ("gone" if host == "this host" else "no heartbeat") in dead.user_attrs[studies.ATTR_REASON]
-    retries = [t for t in study.get_trials() if t.user_attrs.get(studies.ATTR_RETRY_OF) == dead.number]
-    assert len(retries) == 1 and retries[0].user_attrs[studies.ATTR_STATUS] in ("ok", "oom"), retries[0].user_attrs
+    assert schema.ATTR_DIED in dead.user_attrs and dead.user_attrs[schema.ATTR_REUSABLE] is False
+    assert ("gone" if host == "this host" else "no heartbeat") in dead.user_attrs[schema.ATTR_REASON]
+    retries = [t for t in study.get_trials() if t.user_attrs.get(schema.ATTR_RETRY_OF) == dead.number]
+    assert len(retries) == 1 and retries[0].user_attrs[schema.ATTR_STATUS] in ("ok", "oom"), retries[0].user_attrs
     params = TrialParams.from_dict(hung["params"])
     assert gpu.calls.count(params) == 1  # probed once more, once
     assert not [t for t in study.get_trials() if t.state == TrialState.RUNNING]
@@ -183,17 +183,17 @@ def test_a_run_killed_during_the_baseline_runs_it_again_on_resume(storage: str, 
     name = _new_study(storage)
     hung = _kill_mid_probe(storage, name, tmp_path, quick, "--hang-after", "0")
     study = open_study(storage, name)
-    assert studies.is_baseline(study.get_trials()[hung["trial"]])
-    assert studies.fail_orphaned_trials(study) == 1  # its process is gone: failed at once, not after the grace
-    assert not studies.has_baseline(study)  # the killed run's baseline never finished
+    assert reading.is_baseline(study.get_trials()[hung["trial"]])
+    assert writing.fail_orphaned_trials(study) == 1  # its process is gone: failed at once, not after the grace
+    assert not reading.has_baseline(study)  # the killed run's baseline never finished
 
     gpu = SleepingGPU(oom_above_bytes=OOM_ABOVE_BYTES, sleep_s=0.0)
     run_search(study, quick, gpu, _settings(n_trials=2), baseline=quick.baseline(), strategy=make_strategy("bayes"))
     assert gpu.calls[0] == quick.baseline()
-    baselines = [t for t in study.get_trials() if studies.is_baseline(t)]
+    baselines = [t for t in study.get_trials() if reading.is_baseline(t)]
     assert [t.state for t in baselines] == [TrialState.FAIL, TrialState.COMPLETE]
-    assert baselines[1].user_attrs[studies.ATTR_RETRY_OF] == baselines[0].number
-    assert studies.has_baseline(study)
+    assert baselines[1].user_attrs[schema.ATTR_RETRY_OF] == baselines[0].number
+    assert reading.has_baseline(study)
 
 
 # ---------------------------------------------------------------------------------------- killed probes
@@ -222,14 +222,14 @@ def test_a_killed_probe_is_retried_once_and_a_second_kill_is_final(kills: int, q
     outcome = run_search(study, quick, gpu, _settings(n_trials=6), strategy=make_strategy("bayes"))
     assert gpu.victim is not None
     assert gpu.calls.count(gpu.victim) == min(kills, 2) + (kills == 1)  # a second kill is final: never a third probe
-    victim = [t for t in study.get_trials() if t.user_attrs.get(studies.ATTR_PARAMS) == gpu.victim.to_dict()]
+    victim = [t for t in study.get_trials() if t.user_attrs.get(schema.ATTR_PARAMS) == gpu.victim.to_dict()]
     first, retry = victim[0], victim[1]
-    assert first.state == TrialState.FAIL and first.user_attrs[studies.ATTR_REUSABLE] is False
-    assert studies.ATTR_RESULT not in first.user_attrs  # it measured nothing about the configuration
-    assert retry.user_attrs[studies.ATTR_RETRY_OF] == first.number
-    assert retry.user_attrs[studies.ATTR_STATUS] == ("ok" if kills == 1 else "crash")
+    assert first.state == TrialState.FAIL and first.user_attrs[schema.ATTR_REUSABLE] is False
+    assert schema.ATTR_RESULT not in first.user_attrs  # it measured nothing about the configuration
+    assert retry.user_attrs[schema.ATTR_RETRY_OF] == first.number
+    assert retry.user_attrs[schema.ATTR_STATUS] == ("ok" if kills == 1 else "crash")
     assert len(victim) == 2 and outcome.retries == 1
-    assert [p.number for p in studies.stored_probes(study) if p.params == gpu.victim] == [retry.number]
+    assert [p.number for p in reading.stored_probes(study) if p.params == gpu.victim] == [retry.number]
 
 
 # ---------------------------------------------------------------------------------------- claims
@@ -238,23 +238,23 @@ def test_a_killed_probe_is_retried_once_and_a_second_kill_is_final(kills: int, q
 def _claim(study: optuna.Study, space: SearchSpace, params: TrialParams, **kwargs: Any) -> optuna.Trial:
     from autotune.search.loop import _distributions
 
-    return studies.claim(study, params, space.optuna_params(params), _distributions(space), **kwargs)
+    return writing.claim(study, params, space.optuna_params(params), _distributions(space), **kwargs)
 
 
 def test_the_lowest_numbered_claim_holds_a_configuration_and_the_other_is_no_probe(quick: SearchSpace) -> None:
     study = optuna.create_study(direction="maximize")
     params = quick.baseline()
     first, second = _claim(study, quick, params), _claim(study, quick, params)
-    assert studies.holder(study, first) is None
-    holding = studies.holder(study, second)
+    assert writing.holder(study, first) is None
+    holding = writing.holder(study, second)
     assert holding is not None and holding.number == first.number
-    studies.hold(study, second, params, holding)
+    writing.hold(study, second, params, holding)
     held = study.get_trials()[second.number]
-    assert held.state == TrialState.FAIL and held.user_attrs[studies.ATTR_DUPLICATE_OF] == first.number
-    assert studies.in_flight(study.get_trials()) == {params.key()}  # the holder, still running
+    assert held.state == TrialState.FAIL and held.user_attrs[schema.ATTR_DUPLICATE_OF] == first.number
+    assert reading.in_flight(study.get_trials()) == {params.key()}  # the holder, still running
     frame = trials_frame(study, CEILING_BYTES)
     assert list(frame["trial"]) == [first.number]  # not a row, an outcome or a failure
-    assert studies.stored_probes(study) == [] and studies.reusable_outcomes(study) == {}
+    assert reading.stored_probes(study) == [] and reading.reusable_outcomes(study) == {}
 
 
 def test_a_held_trial_that_another_worker_failed_as_dead_meanwhile_is_left_as_it_is(quick: SearchSpace) -> None:
@@ -263,16 +263,16 @@ def test_a_held_trial_that_another_worker_failed_as_dead_meanwhile_is_left_as_it
     study = optuna.create_study(direction="maximize")
     params = quick.baseline()
     first, second, third = (_claim(study, quick, params) for _ in range(3))
-    holding = studies.holder(study, second)
+    holding = writing.holder(study, second)
     assert holding is not None and holding.number == first.number
     for trial in (second, third):
         study._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)  # what the dead-trial sweep does
-    studies.hold(study, second, params, holding)  # a running holder: named as duplicate
+    writing.hold(study, second, params, holding)  # a running holder: named as duplicate
     study.tell(first, 1.0)
-    studies.hold(study, third, params, study.get_trials()[first.number])  # a finished one: its outcome repeated
+    writing.hold(study, third, params, study.get_trials()[first.number])  # a finished one: its outcome repeated
     for trial in (second, third):
         left = study.get_trials()[trial.number]
-        assert left.state == TrialState.FAIL and studies.ATTR_DUPLICATE_OF not in left.user_attrs
+        assert left.state == TrialState.FAIL and schema.ATTR_DUPLICATE_OF not in left.user_attrs
 
 
 def test_an_outcome_for_a_trial_another_worker_failed_as_dead_is_dropped_with_a_warning(quick: SearchSpace, caplog) -> None:
@@ -286,7 +286,7 @@ def test_an_outcome_for_a_trial_another_worker_failed_as_dead_is_dropped_with_a_
     with caplog.at_level("WARNING"):
         assert _record(study, trial, params, result, _settings(), reusable=True) is None
     assert f"trial {trial.number} was failed by another worker" in caplog.text and "its outcome is dropped" in caplog.text
-    assert study.get_trials()[trial.number].state == TrialState.FAIL and studies.ATTR_STATUS not in study.get_trials()[trial.number].user_attrs
+    assert study.get_trials()[trial.number].state == TrialState.FAIL and schema.ATTR_STATUS not in study.get_trials()[trial.number].user_attrs
 
 
 def test_a_popped_trial_yields_to_any_other_claim(quick: SearchSpace) -> None:
@@ -294,23 +294,23 @@ def test_a_popped_trial_yields_to_any_other_claim(quick: SearchSpace) -> None:
     params = quick.baseline()
     study.enqueue_trial(quick.optuna_params(params))
     claimed = _claim(study, quick, params)
-    popped = studies.ask(study)
+    popped = writing.ask(study)
     assert quick.suggest(popped) == params and popped.number < claimed.number
-    studies.record_params(popped, params)
-    holding = studies.holder(study, popped)
+    writing.record_params(popped, params)
+    holding = writing.holder(study, popped)
     assert holding is not None and holding.number == claimed.number
 
 
 def test_a_claim_waits_for_an_older_trial_without_a_configuration_yet(quick: SearchSpace) -> None:
     study = optuna.create_study(direction="maximize")
     params = quick.baseline()
-    older = studies.ask(study)  # a sampler's trial between ask and suggest
+    older = writing.ask(study)  # a sampler's trial between ask and suggest
     mine = _claim(study, quick, params)
     started_s = time.monotonic()
-    assert studies.holder(study, mine, settle_s=0.3) is None  # it never got one: decided after the wait
+    assert writing.holder(study, mine, settle_s=0.3) is None  # it never got one: decided after the wait
     assert time.monotonic() - started_s >= 0.3
-    studies.record_params(older, params)
-    holding = studies.holder(study, mine, settle_s=0.3)
+    writing.record_params(older, params)
+    holding = writing.holder(study, mine, settle_s=0.3)
     assert holding is not None and holding.number == older.number
 
 
@@ -331,6 +331,6 @@ def test_seen_keys_is_what_was_measured_and_what_is_in_flight() -> None:
 
 def test_the_shared_deadline_is_stored_with_the_study() -> None:
     study = optuna.create_study(direction="maximize")
-    assert studies.deadline_unix_s(study) is None
-    studies.record_deadline(study, 1_900_000_000.5)
-    assert studies.deadline_unix_s(study) == 1_900_000_000.5
+    assert writing.deadline_unix_s(study) is None
+    writing.record_deadline(study, 1_900_000_000.5)
+    assert writing.deadline_unix_s(study) == 1_900_000_000.5

@@ -32,7 +32,7 @@ from autotune.report.charts import (
 from autotune.report.formatting import Kind, format_count, format_value, is_missing, sort_key
 from autotune.results import TuneResult, no_result_error, same_params, short_config
 from autotune.space import SearchSpace
-from autotune.studies import DEFAULT_STORAGE
+from autotune.storage import DEFAULT_STORAGE
 from autotune.units import format_bytes, format_duration
 
 # A trial's outcome in the report: the probe's status, except that a finished probe over the

@@ -38,7 +38,7 @@ study at once; the study is all they share (the protocol is in :mod:`autotune.st
 Before each proposal a worker reads the trials once and syncs: the probes others finished (history
 and memory model), their outcomes (``seen``), and the configurations in flight elsewhere, which
 count as seen for the strategy (:class:`~autotune.search.strategies.base.SeenKeys`). A proposal is
-created as a trial that claims its configuration in the same storage call (:func:`studies.claim`),
+created as a trial that claims its configuration in the same storage call (:func:`writing.claim`),
 a sampler's trial claims it right after ``suggest``; the lowest-numbered live claim holds a
 configuration, and a worker whose trial does not hold it records it as held (not a probe) and
 proposes again. While a probe runs its trial's heartbeat is refreshed; a RUNNING trial silent past
@@ -61,7 +61,6 @@ import optuna
 from optuna.distributions import BaseDistribution, CategoricalDistribution
 from optuna.trial import FrozenTrial
 
-import autotune.studies as studies
 from autotune.params import TrialParams
 from autotune.records import Probe, ProbeResult, ProbeStatus
 from autotune.search.expert import expert_fallback
@@ -69,7 +68,8 @@ from autotune.search.memory import MemoryModel
 from autotune.search.ranking import Configuration, near_ties, rank_configurations
 from autotune.search.strategies.base import SearchState, SeenKeys, Strategy
 from autotune.space import SearchSpace
-from autotune.studies import StoredOutcome
+from autotune.studies import reading, schema, writing
+from autotune.studies.reading import StoredOutcome
 
 StopReason = Literal["budget", "n_trials", "exhausted", "interrupted"]
 
@@ -120,9 +120,9 @@ class SearchSettings:
     trial_timeout_s: float = 900.0  # one probe, start-up and compilation included
     min_probe_s: float = 5.0  # do not start a probe with less time than this left
     seed: int = 0
-    heartbeat_interval_s: float = studies.HEARTBEAT_INTERVAL_S  # a probing worker refreshes its trial's heartbeat this often
-    heartbeat_grace_s: float = studies.HEARTBEAT_GRACE_S  # a RUNNING trial silent this long is failed (its worker died) and retried once
-    claim_settle_s: float = studies.CLAIM_SETTLE_S  # a claim waits this long at most for an older trial without a configuration yet
+    heartbeat_interval_s: float = schema.HEARTBEAT_INTERVAL_S  # a probing worker refreshes its trial's heartbeat this often
+    heartbeat_grace_s: float = schema.HEARTBEAT_GRACE_S  # a RUNNING trial silent this long is failed (its worker died) and retried once
+    claim_settle_s: float = schema.CLAIM_SETTLE_S  # a claim waits this long at most for an older trial without a configuration yet
     gpu: bool = True  # the probes run on a GPU: what the ranking's prior prefers among near-ties (ranking.prior_rank)
 
 
@@ -154,14 +154,14 @@ class SearchOutcome:
 
 def ranked_configurations(study: optuna.Study, ceiling_bytes: int, *, gpu: bool = True) -> list[Configuration]:
     """The study's configurations that fit, fastest mean first (:func:`~autotune.search.ranking.rank_configurations`)."""
-    return rank_configurations(studies.stored_probes(study), ceiling_bytes, gpu=gpu)
+    return rank_configurations(reading.stored_probes(study), ceiling_bytes, gpu=gpu)
 
 
 def _remeasure_queue(study: optuna.Study, settings: SearchSettings, tried: set[tuple[int, int]]) -> Iterator[Configuration]:
     """The near-ties as they stand when the search ends, then, read afresh, those that their second
     probe made unstable (a third probe decides); each (configuration, probe count) once."""
     for _ in range(2):
-        pending = [c for c in _to_remeasure(studies.stored_probes(study), settings) if (c.number, c.n_measurements) not in tried]
+        pending = [c for c in _to_remeasure(reading.stored_probes(study), settings) if (c.number, c.n_measurements) not in tried]
         for contender in pending:
             tried.add((contender.number, contender.n_measurements))
             yield contender
@@ -234,19 +234,19 @@ def remeasure_near_ties(
         remaining_s = deadline_s - clock.now() if deadline_s is not None else settings.trial_timeout_s
         if remaining_s < max(settings.min_probe_s, contender.wall_s or typical_s):
             continue
-        trial = studies.start_remeasure(study, contender.number, contender.n_measurements + 1)
+        trial = writing.start_remeasure(study, contender.number, contender.n_measurements + 1)
         try:
-            with studies.Heartbeat(study, trial, settings.heartbeat_interval_s):
-                holding = studies.remeasure_holder(study, trial)
+            with writing.Heartbeat(study, trial, settings.heartbeat_interval_s):
+                holding = writing.remeasure_holder(study, trial)
                 if holding is not None:  # another worker is probing (or probed) this one again
-                    studies.hold(study, trial, contender.params, holding)
+                    writing.hold(study, trial, contender.params, holding)
                     continue
                 if on_start:
                     on_start(trial.number, contender.params)
                 result, reusable = _probe(evaluator, contender.params, settings, remaining_s)
                 _record(study, trial, contender.params, result, settings, reusable)
         except KeyboardInterrupt:
-            studies.fail_interrupted(study, trial)
+            writing.fail_interrupted(study, trial)
             raise
         done += 1
         if on_trial:
@@ -266,19 +266,19 @@ def _record(
 ) -> StoredOutcome | None:
     """Store a probe's outcome; None when it is not stored as one.
 
-    A probe whose process was killed (:func:`studies.killed`) says nothing about its configuration
+    A probe whose process was killed (:func:`reading.killed`) says nothing about its configuration
     the first time: the trial is failed as dead, not reusable, and the configuration is probed once
-    more (:func:`studies.retry_candidates`); the second time the crash is final. A trial that
+    more (:func:`reading.retry_candidates`); the second time the crash is final. A trial that
     another worker failed as dead meanwhile (this worker was alive, but silent past the grace)
     cannot be told again: the outcome is dropped with a warning.
     """
-    died = studies.killed(result)
+    died = reading.killed(result)
     dropped = f"trial {trial.number} was failed by another worker (no heartbeat for {settings.heartbeat_grace_s:.0f} s): its outcome is dropped"
-    with studies.unless_taken(study, trial, dropped_warning=dropped):
-        if died and studies.first_death(studies.read_trials(study) if trials is None else trials, params.key(), trial.number):
-            studies.record_death(study, trial, params, result.error or "killed")
+    with writing.unless_taken(study, trial, dropped_warning=dropped):
+        if died and reading.first_death(reading.read_trials(study) if trials is None else trials, params.key(), trial.number):
+            writing.record_death(study, trial, params, result.error or "killed")
             return None
-        return studies.record_outcome(study, trial, params, result, settings.memory_ceiling_bytes, reusable=reusable, died=died)
+        return writing.record_outcome(study, trial, params, result, settings.memory_ceiling_bytes, reusable=reusable, died=died)
     return None
 
 
@@ -306,19 +306,19 @@ class _Synced:
 
     def sync(self, trials: Sequence[FrozenTrial]) -> None:
         """Take in what the others finished or run now (nothing new for a lone worker)."""
-        new = [p for p in studies.probes_in(trials) if p.number not in self.numbers]
+        new = [p for p in reading.probes_in(trials) if p.number not in self.numbers]
         self.numbers.update(p.number for p in new)
         self.history.extend(new)
         self.memory.observe_all((p.params, p.result) for p in new)
-        for key, stored in studies.reusable_in(trials).items():
+        for key, stored in reading.reusable_in(trials).items():
             self.seen.setdefault(key, stored)
-        for key, stored in studies.pruned_in(trials, self.from_number).items():
+        for key, stored in reading.pruned_in(trials, self.from_number).items():
             self.seen.setdefault(key, stored)
-        self.in_flight = studies.in_flight(trials) - self.seen.keys()
+        self.in_flight = reading.in_flight(trials) - self.seen.keys()
 
 
 def _pruned_here(stored: StoredOutcome | None) -> bool:
-    return stored is not None and stored.attrs.get(studies.ATTR_STATUS) == ProbeStatus.PRUNED.value
+    return stored is not None and stored.attrs.get(schema.ATTR_STATUS) == ProbeStatus.PRUNED.value
 
 
 def _probe(evaluator: Evaluator, params: TrialParams, settings: SearchSettings, remaining_s: float) -> tuple[ProbeResult, bool]:
@@ -374,7 +374,7 @@ def run_search(
     start_s = clock.now() if started_s is None else started_s
     deadline_s = start_s + settings.budget_s if settings.budget_s else None
     rng = random.Random(settings.seed)
-    trials = studies.read_trials(study)
+    trials = reading.read_trials(study)
     memory = memory if memory is not None else MemoryModel()
     memory.oom_floor_bytes = max(memory.oom_floor_bytes, settings.memory_ceiling_bytes or 0)  # probes run out of memory at the ceiling
     synced = _Synced(memory, from_number=max((t.number for t in trials), default=-1) + 1)
@@ -408,9 +408,9 @@ def run_search(
                 outcome.stopped_because = "n_trials"
                 break
             # Sync: read the trials once; fail those whose worker died; take in what the others did.
-            trials = studies.read_trials(study)
-            if studies.fail_dead_trials(study, trials, grace_s=settings.heartbeat_grace_s):
-                trials = studies.read_trials(study)
+            trials = reading.read_trials(study)
+            if writing.fail_dead_trials(study, trials, grace_s=settings.heartbeat_grace_s):
+                trials = reading.read_trials(study)
             synced.sync(trials)
             state.seen = SeenKeys(synced.seen, synced.in_flight)
             if len(state.seen) >= space.size:
@@ -422,7 +422,7 @@ def run_search(
             typical_s = statistics.median(wall_times_s) if wall_times_s else 0.0
             reserve_s = 0.0
             if deadline_s is not None:
-                contenders = _to_remeasure(studies.probes_in(trials), settings)
+                contenders = _to_remeasure(reading.probes_in(trials), settings)
                 keep_s = max(REMEASURE_RESERVE_FRACTION * (settings.budget_s or 0.0), typical_s)
                 reserve_s = _remeasure_cost_s(contenders, typical_s, min(remaining_s, keep_s), settings.min_probe_s)
             if remaining_s - reserve_s < max(settings.min_probe_s, typical_s):
@@ -441,20 +441,20 @@ def run_search(
             # configuration whose process died, the fresh point after a repeat, the strategy's proposal;
             # else the sampler's.
             proposal, role, retry_of = None, None, None
-            retry = studies.retry_candidates(trials)
-            if studies.has_waiting(trials):
+            retry = reading.retry_candidates(trials)
+            if reading.has_waiting(trials):
                 pass
-            elif baseline is not None and not studies.baseline_settled(trials) and not _pruned_here(synced.seen.get(baseline.key())):
-                proposal, role = baseline, studies.ROLE_BASELINE
-                retry_of = next((t.number for t in retry if studies.config_key(t) == baseline.key()), None)
-            elif expert is not None and not studies.role_settled(trials, studies.ROLE_EXPERT) and expert.key() not in synced.seen:
-                proposal, role = expert, studies.ROLE_EXPERT
-                retry_of = next((t.number for t in retry if studies.config_key(t) == expert.key()), None)
+            elif baseline is not None and not reading.baseline_settled(trials) and not _pruned_here(synced.seen.get(baseline.key())):
+                proposal, role = baseline, schema.ROLE_BASELINE
+                retry_of = next((t.number for t in retry if reading.config_key(t) == baseline.key()), None)
+            elif expert is not None and not reading.role_settled(trials, schema.ROLE_EXPERT) and expert.key() not in synced.seen:
+                proposal, role = expert, schema.ROLE_EXPERT
+                retry_of = next((t.number for t in retry if reading.config_key(t) == expert.key()), None)
             elif (expert is not None and (neighbour := _expert_neighbour(space, expert, synced, state, settings)) is not None
                   and _can_finish(neighbour, synced, available_s)):
                 proposal = neighbour
             elif retry:
-                proposal, retry_of = TrialParams.from_dict(retry[0].user_attrs[studies.ATTR_PARAMS]), retry[0].number
+                proposal, retry_of = TrialParams.from_dict(retry[0].user_attrs[schema.ATTR_PARAMS]), retry[0].number
             elif fresh is not None:
                 proposal = fresh
             elif strategy is not None:
@@ -469,24 +469,24 @@ def run_search(
                     proposal = None
             fresh = None
             if proposal is not None:
-                trial = open_trial = studies.claim(
+                trial = open_trial = writing.claim(
                     study, proposal, space.optuna_params(proposal), distributions, role=role, retry_of=retry_of
                 )
             else:
-                trial = open_trial = studies.ask(study)
-            with studies.Heartbeat(study, trial, settings.heartbeat_interval_s):  # alive from its claim to its outcome
+                trial = open_trial = writing.ask(study)
+            with writing.Heartbeat(study, trial, settings.heartbeat_interval_s):  # alive from its claim to its outcome
                 params = space.suggest(trial)
                 key = params.key()
                 if key in synced.seen:
-                    studies.record_repeat(study, trial, params, synced.seen[key])
+                    writing.record_repeat(study, trial, params, synced.seen[key])
                     open_trial = None
                     outcome.duplicates += 1
                     fresh = _random_unmeasured(space, state.seen, rng)
                     continue
-                studies.record_params(trial, params)
-                holding = studies.holder(study, trial, settle_s=settings.claim_settle_s)
+                writing.record_params(trial, params)
+                holding = writing.holder(study, trial, settle_s=settings.claim_settle_s)
                 if holding is not None:  # another worker's trial claimed it first: propose again, knowing that
-                    studies.hold(study, trial, params, holding)
+                    writing.hold(study, trial, params, holding)
                     open_trial = None
                     outcome.held += 1
                     if proposal is None:
@@ -495,10 +495,10 @@ def run_search(
                 outcome.retries += retry_of is not None
                 predicted = memory.predict(params)
                 if predicted is not None:
-                    studies.record_predicted_peak(trial, predicted)
+                    writing.record_predicted_peak(trial, predicted)
                 reason = strategy.prune(params, state) if strategy is not None else None
                 if reason is not None:
-                    synced.seen[key] = studies.record_pruned(study, trial, params, reason, predicted, settings.memory_ceiling_bytes)
+                    synced.seen[key] = writing.record_pruned(study, trial, params, reason, predicted, settings.memory_ceiling_bytes)
                     open_trial = None
                     outcome.pruned += 1
                     consecutive_prunes += 1
@@ -506,7 +506,7 @@ def run_search(
                 consecutive_prunes = 0
                 if proposal is None and not _can_finish(params, synced, available_s):
                     # The sampler's pick, where the strategy proposed nothing: a probe like it would not finish.
-                    studies.release_unstarted(study, trial, f"not started: probes like it took longer than the {available_s:.0f} s left")
+                    writing.release_unstarted(study, trial, f"not started: probes like it took longer than the {available_s:.0f} s left")
                     open_trial = None
                     outcome.stopped_because = "budget"
                     break
@@ -522,7 +522,7 @@ def run_search(
                     params=params,
                     result=result,
                     feasible=result.fits(settings.memory_ceiling_bytes),
-                    is_baseline=studies.is_baseline(trial),
+                    is_baseline=reading.is_baseline(trial),
                 )
                 finished(record, stored=measured is not None)
         # The loop ended without Ctrl-C (budget, trial count or space): decide the near-ties.
@@ -535,7 +535,7 @@ def run_search(
         # Ctrl-C anywhere in an iteration: the trial in flight (if any) is failed, not left RUNNING,
         # and every finished trial is already in the storage.
         if open_trial is not None:
-            studies.fail_interrupted(study, open_trial)
+            writing.fail_interrupted(study, open_trial)
         outcome.stopped_because = "interrupted"
     return outcome
 
