@@ -8,7 +8,7 @@
 Each search is N threads, each running :func:`autotune.search.loop.run_search` with its own
 strategy instance (seed ``draw index * 1000 + worker``), its own ``optuna.Study`` object and its own
 evaluator, all on one study in one ``optuna.storages.InMemoryStorage`` (``--storage journal``: an
-Optuna journal file in a temporary folder), all on one :class:`~autotune.search.replay.SharedVirtualClock`:
+Optuna journal file in a temporary folder), all on one :class:`~bench.virtual_clock.SharedVirtualClock`:
 a worker that starts a probe costing c virtual seconds blocks until the shared clock reaches its
 start + c, and the clock moves to the earliest pending completion only when no worker is deciding
 (deciding costs no virtual time). Every worker's budget deadline is on that clock (``clock=`` and
@@ -72,11 +72,11 @@ from optuna.trial import TrialState  # noqa: E402
 from autotune.params import TrialParams  # noqa: E402
 from autotune.search.loop import Evaluator, SearchOutcome, SearchSettings, TrialRecord, run_search  # noqa: E402
 from autotune.search.ranking import rank_configurations  # noqa: E402
-from autotune.search.replay import SharedVirtualClock, WorkerClock  # noqa: E402
 from autotune.search.strategies.registry import DEFAULT_STRATEGY, make_strategy  # noqa: E402
 from autotune.space import SearchSpace  # noqa: E402
 from autotune.studies import reading, schema  # noqa: E402
 from autotune.units import parse_bytes, parse_duration_s  # noqa: E402
+from bench.virtual_clock import SharedVirtualClock, WorkerClock  # noqa: E402
 
 TARGET = 0.98
 DESIGN_DRAWS = 200  # draws 0-199 are the family's design range (bench/search.py); later ones are held out

@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from autotune.search.replay import SharedVirtualClock
 from autotune.space import SearchSpace
+from bench.virtual_clock import SharedVirtualClock
 from bench.workers import TARGET, World, family_world, simulate
 
 
