@@ -76,7 +76,6 @@ class ProbeSpec:
     memory_ceiling_bytes: int | None = None  # enforced inside the child so OOMs happen at the ceiling
     seed: int = 0
     dataset: dict[str, Any] | None = None  # DatasetSpec.to_dict(); None: synthetic tokens
-    synthetic_sample_delay_s: float = 0.0  # tests/benchmarks: make each synthetic sample this slow to load
     peft: dict[str, Any] | None = None  # autotune.lora.LoraSettings.to_dict(): wrap the model in adapters; None: full training
     # The user's Trainer factory (``--trainer``): "/abs/path/my_train.py:make_trainer" or "package.module:make_trainer";
     # it builds the model, data and Trainer (autotune.probe.user_trainer). None: the built-in model on synthetic or --dataset data.

@@ -357,8 +357,9 @@ def test_gpu_a_forked_probe_runs_on_the_resolved_uuid(monkeypatch) -> None:
         return child
 
     monkeypatch.setattr(isolation, "_launch", launch_and_watch)
-    spec = ProbeSpec(model=resolve_model("tiny-gptneox").to_dict(), params=TrialParams(per_device_train_batch_size=4),
-                     seq_len=32, device=f"cuda:{info.index}", warmup_steps=1, measure_steps=3, synthetic_sample_delay_s=0.2)
+    slow_input = Path(__file__).parent / "data" / "trainers" / "slow_input.py"  # samples slow to load: a probe NVML can see
+    spec = ProbeSpec(model={}, params=TrialParams(per_device_train_batch_size=4), seq_len=32, device=f"cuda:{info.index}",
+                     warmup_steps=1, measure_steps=3, trainer=f"{slow_input}:make_trainer_200ms")
     try:
         result = isolation.run_isolated(spec, timeout_s=300, mode="forkserver", device_uuid=info.uuid)
     finally:

@@ -28,6 +28,16 @@ def _spec(model: str = "tiny-gptneox", **overrides) -> ProbeSpec:
     )
 
 
+SLOW_INPUT = Path(__file__).parent / "data" / "trainers" / "slow_input.py"
+
+
+def _slow_input_spec(factory: str, **overrides) -> ProbeSpec:
+    """A probe of the user's-Trainer path (``--trainer``) whose every sample is slow to load (``factory``: its delay)."""
+    params = overrides.pop("params", TrialParams(per_device_train_batch_size=4, attn_implementation="sdpa"))
+    return ProbeSpec(model={}, params=params, seq_len=32, device="cpu", trainer=f"{SLOW_INPUT}:{factory}",
+                     **{"warmup_steps": 1, "measure_steps": 3, **overrides})
+
+
 def test_ok_probe_measures_steady_state_throughput() -> None:
     result = isolation.run_isolated(_spec(), timeout_s=120)
     assert result.status == "ok", result.error
@@ -75,7 +85,7 @@ def test_measures_until_stable_or_the_cap() -> None:
 
 def test_slow_input_is_input_bound() -> None:
     # 200 ms per sample x 4 samples per step, against tens of ms of compute: the loop mostly waits.
-    slow = isolation.run_isolated(_spec(synthetic_sample_delay_s=0.2, measure_steps=5), timeout_s=120)
+    slow = isolation.run_isolated(_slow_input_spec("make_trainer_200ms", measure_steps=5), timeout_s=120)
     assert slow.status == "ok", slow.error
     assert slow.input_wait_fraction > 0.4 and slow.input_bound
 
@@ -94,13 +104,13 @@ def test_simulated_ceiling_makes_an_oom() -> None:
 
 
 def test_deadline_kills_a_probe_as_timeout() -> None:
-    # A warm probe of this tiny model can finish within 0.5 s: slow its input so it cannot.
+    # A warm probe of a tiny model can finish within 0.5 s: slow its input so it cannot.
     import glob
     import tempfile
 
     scratch = f"{tempfile.gettempdir()}/autotune-probe*"
     before = set(glob.glob(scratch))
-    result = isolation.run_isolated(_spec(synthetic_sample_delay_s=0.5), timeout_s=0.5)
+    result = isolation.run_isolated(_slow_input_spec("make_trainer_500ms"), timeout_s=0.5)
     assert result.status == "timeout"
     assert result.wall_s < 5
     assert set(glob.glob(scratch)) == before  # the killed child's scratch folder went with it
@@ -156,7 +166,7 @@ def test_killed_child_is_a_crash(monkeypatch, mode) -> None:
         return child
 
     monkeypatch.setattr(isolation, "_launch", launch_then_kill)
-    result = isolation.run_isolated(_spec(synthetic_sample_delay_s=0.5), timeout_s=120, mode=mode)  # still running at 1 s
+    result = isolation.run_isolated(_slow_input_spec("make_trainer_500ms"), timeout_s=120, mode=mode)  # still running at 1 s
     assert result.status == "crash" and result.process_lost  # says nothing of the configuration: retried once
     assert "killed by SIGKILL" in result.error
 
@@ -180,7 +190,7 @@ def test_timeout_kills_the_childs_dataloader_workers_too(monkeypatch) -> None:
 
     monkeypatch.setattr(isolation, "_launch", launch_and_watch)
     params = TrialParams(per_device_train_batch_size=4, dataloader_num_workers=2)
-    result = isolation.run_isolated(_spec(params=params, synthetic_sample_delay_s=30.0), timeout_s=8)
+    result = isolation.run_isolated(_slow_input_spec("make_trainer_30s", params=params), timeout_s=8)
     assert result.status == "timeout"
     assert seen["max_members"] >= 3  # the probe and its two workers were running
     for _ in range(50):  # SIGKILLed processes take a moment to exit

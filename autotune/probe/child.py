@@ -59,9 +59,8 @@ class SimulatedOutOfMemory(MemoryError):
 class SyntheticTokens:
     """An endless-enough map-style dataset of random token sequences, reproducible per index."""
 
-    def __init__(self, vocab_size: int, seq_len: int, length: int, seed: int, delay_s: float = 0.0) -> None:
+    def __init__(self, vocab_size: int, seq_len: int, length: int, seed: int) -> None:
         self.vocab_size, self.seq_len, self.length, self.seed = vocab_size, seq_len, length, seed
-        self.delay_s = delay_s  # a deliberately slow input pipeline, for tests and benchmarks
 
     def __len__(self) -> int:
         return self.length
@@ -69,8 +68,6 @@ class SyntheticTokens:
     def __getitem__(self, index: int) -> dict[str, Any]:
         import torch
 
-        if self.delay_s:
-            time.sleep(self.delay_s)
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
         tokens = torch.randint(0, self.vocab_size, (self.seq_len,), generator=generator)
         return {"input_ids": tokens, "labels": tokens.clone()}
@@ -393,9 +390,7 @@ def applied_arguments(args: Any, params: Any) -> dict[str, Any]:
 
 def _make_dataset(spec: ProbeSpec, vocab_size: int, length: int) -> Any:
     if spec.dataset is None:
-        return SyntheticTokens(
-            vocab_size=vocab_size, seq_len=spec.seq_len, length=length, seed=spec.seed, delay_s=spec.synthetic_sample_delay_s
-        )
+        return SyntheticTokens(vocab_size=vocab_size, seq_len=spec.seq_len, length=length, seed=spec.seed)
     from autotune.data import DatasetSpec, TextDataset
 
     return TextDataset(DatasetSpec.from_dict(spec.dataset), seq_len=spec.seq_len, length=length)
