@@ -128,7 +128,7 @@ class LiveProgress:
 
 
 def print_header(console: Console, plan: Any, resumed: int) -> None:
-    """What is about to be tuned, where the study lives, and what the space dropped (an ``api.RunPlan``)."""
+    """What is about to be tuned, where the study lives, and what the space dropped (an ``autotune.plan.RunPlan``)."""
     console.print(
         f"[bold]autotune[/] {plan.model.name} seq-len {plan.seq_len} on {plan.device.name}, "
         f"ceiling {format_bytes(plan.memory_ceiling_bytes)}, space '{plan.space.name}' ({plan.space.size:,} configurations)"

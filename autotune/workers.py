@@ -81,7 +81,7 @@ def options_for_worker(
     settings: dict[str, Any], *, storage: str, study: str, device: str, budget: str | float | None, n_trials: int | None,
     seed_offset: int,
 ) -> dict[str, Any]:
-    """The :class:`~autotune.api.RunOptions` (as keywords) of the run that made a study, for a worker that joins it.
+    """The :class:`~autotune.options.RunOptions` (as keywords) of the run that made a study, for a worker that joins it.
 
     The budget is the time left to the study's shared deadline unless ``budget`` or ``n_trials`` is given.
 

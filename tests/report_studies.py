@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import optuna
 
-from autotune.api import package_versions
 from autotune.params import TrialParams, baseline_params
+from autotune.plan import package_versions
 from autotune.records import DeviceInfo, ProbeResult
 from autotune.results import TuneResult, load_result
 from autotune.search.loop import SearchSettings, run_search

@@ -241,8 +241,8 @@ def test_a_side_by_side_box_too_small_for_its_run_is_refused_not_shortened(tmp_p
 def test_landscape_ceiling_puts_the_largest_batch_on_both_sides(tmp_path: Path) -> None:
     from dataclasses import replace
 
-    from autotune.api import CEILING_SAFETY_FRACTION
     from autotune.models import resolve_model
+    from autotune.plan import CEILING_SAFETY_FRACTION
     from autotune.search.memory import MemoryModel, ModelDims
 
     ctx = _context(tmp_path)

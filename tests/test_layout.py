@@ -22,7 +22,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "autotune"
 
 # Lowest first. A module may import modules of its own layer or below, never above. `search` and
 # `probe` share a layer and must not import each other: the parent side and the child side meet
-# only in `api` (the probe evaluator behind the search loop's Evaluator interface).
+# only in `api` (the probe evaluator behind the search loop's Evaluator interface) and `plan` (the plan-time checks).
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("autotune.version", "autotune.errors", "autotune.units", "autotune.interrupts", "autotune.defaults"),
     ("autotune.params",),
@@ -33,6 +33,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("autotune.search", "autotune.probe"),
     ("autotune.results", "autotune.workers"),
     ("autotune.report", "autotune.console"),
+    ("autotune.options", "autotune.plan"),
     ("autotune.api",),
     ("autotune.cli",),
     ("autotune",),

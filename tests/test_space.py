@@ -113,8 +113,8 @@ def test_a_growing_batch_rule_adds_sizes_up_to_what_the_memory_model_says_fits()
 
 
 def test_a_gpu_run_grows_the_batch_sizes_of_a_small_model(monkeypatch) -> None:
-    import autotune.api as api
     from autotune.api import RunOptions, plan_run
+    from autotune.plan import largest_lean_batch
     from autotune.records import DeviceInfo
     from autotune.space import load_space
 
@@ -124,9 +124,9 @@ def test_a_gpu_run_grows_the_batch_sizes_of_a_small_model(monkeypatch) -> None:
     assert max(batches) > 128 and all(b % 8 == 0 for b in batches if b > 128)
     # The memory model's bound: the sizes added are those the leanest configuration fits, and the
     # next step up does not fit it.
-    largest = api.largest_lean_batch(plan.model, 512, h200.total_memory_bytes, load_space("default"))
+    largest = largest_lean_batch(plan.model, 512, h200.total_memory_bytes, load_space("default"))
     assert max(batches) <= largest
-    assert api.largest_lean_batch(plan.model, 512, h200.total_memory_bytes, plan.space) == 0
+    assert largest_lean_batch(plan.model, 512, h200.total_memory_bytes, plan.space) == 0
     cpu = plan_run(RunOptions(model="pythia-160m", seq_len=512, device="cpu", n_trials=1, budget=None))
     assert max(cpu.space.choices["per_device_train_batch_size"]) == 128  # a CPU keeps the file's list
 

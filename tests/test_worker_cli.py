@@ -31,7 +31,7 @@ def test_gpu_lists_are_parsed_or_refused_in_one_line() -> None:
 
 
 def test_gpus_of_different_kinds_are_refused(monkeypatch) -> None:
-    import autotune.api as api
+    import autotune.plan as plan_module
 
     cards = {"cuda:0": ("NVIDIA H100 80GB HBM3", 80), "cuda:1": ("NVIDIA A100-SXM4-40GB", 40)}
 
@@ -39,12 +39,12 @@ def test_gpus_of_different_kinds_are_refused(monkeypatch) -> None:
         card, gib = cards[name]
         return DeviceInfo(kind="cuda", name=card, total_memory_bytes=gib * 2**30, index=int(name[-1]), uuid=f"GPU-{name}")
 
-    monkeypatch.setattr(api, "detect_device", fake_detect)
+    monkeypatch.setattr(plan_module, "detect_device", fake_detect)
     with pytest.raises(DeviceError, match="different kinds.*one study per kind"):
         plan_run(RunOptions(gpus="0,1", n_trials=1, **COMMON))
     cards["cuda:1"] = cards["cuda:0"]
     plan = plan_run(RunOptions(gpus="0,1", n_trials=1, **COMMON))
-    assert plan.gpus == [0, 1] and plan.storage == api.WORKERS_STORAGE and plan.device.name == "NVIDIA H100 80GB HBM3"
+    assert plan.gpus == [0, 1] and plan.storage == plan_module.WORKERS_STORAGE and plan.device.name == "NVIDIA H100 80GB HBM3"
     with pytest.raises(UsageError, match="drop --device"):
         plan_run(RunOptions(gpus="0", device="cpu", n_trials=1, **COMMON))
 
