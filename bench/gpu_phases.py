@@ -331,6 +331,9 @@ def phase_tests(ctx: Context) -> PhaseOutput:
 
     if importlib.util.find_spec("pytest") is None:
         return skipped("pytest is not installed (`make wheelhouse` brings it)")
+    if not ctx.device.is_cuda:  # every gpu-marked test skips itself without CUDA: no nested pytest to learn that
+        data = {"returncode": None, "passed": 0, "failed": 0, "error": 0, "skipped": 0, "cases": [], "junit": None}
+        return output("skipped", "no GPU test ran on the CPU: the gpu-marked tests need CUDA", data, "Not run: no CUDA device.")
     junit = ctx.out / "tests_junit.xml"
     # Only the files that hold gpu-marked tests: collecting the whole suite to deselect all but a handful costs tens of seconds.
     files = [str(path) for path in sorted(Path("tests").glob("test_*.py")) if "mark.gpu" in path.read_text(encoding="utf-8")]
@@ -1130,7 +1133,7 @@ def _landscape_ceiling(ctx: Context, model: ModelSpec) -> int | None:
     if not ctx.device.is_cuda:
         return None  # a simulated ceiling on the CPU compares process RSS: everything would be "oom"
     if ctx.plan.land_card_ceiling:
-        from autotune.api import CEILING_SAFETY_FRACTION
+        from autotune.plan import CEILING_SAFETY_FRACTION
 
         return int(CEILING_SAFETY_FRACTION * ctx.device.total_memory_bytes)  # what `autotune run` uses by default
     grid = ctx.plan.land_grid
