@@ -252,6 +252,22 @@ def test_a_probe_whose_server_died_under_it_is_probed_once_more_not_blamed(monke
     assert reading.killed(result)  # what the loop retries once
 
 
+def test_a_child_spawned_under_children_ignore_sigint_starts_ignoring_it() -> None:
+    """#42/#45: the probe server is spawned so (isolation._start_watched): a Ctrl-C to the run's process group while
+    its interpreter starts is ignored there from its first instruction (it printed a traceback), and the run keeps its
+    own handler."""
+    import signal
+
+    from autotune.probe.lifetime import children_ignore_sigint
+
+    show = [sys.executable, "-c", "import signal; print(signal.getsignal(signal.SIGINT) == signal.SIG_IGN)"]
+    with children_ignore_sigint():
+        inside = subprocess.run(show, capture_output=True, text=True, check=True).stdout
+    outside = subprocess.run(show, capture_output=True, text=True, check=True).stdout
+    assert (inside.strip(), outside.strip()) == ("True", "False")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the run's own handler is back
+
+
 def test_a_process_that_ended_is_not_running_even_before_its_parent_reaps_it() -> None:
     running = subprocess.Popen(["sleep", "30"])
     ended = subprocess.Popen(["true"])

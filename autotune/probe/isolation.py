@@ -46,6 +46,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -55,7 +56,7 @@ from typing import Any, Literal, Protocol
 
 import psutil
 
-from autotune.probe.lifetime import DEADLINE_ENV, DRIVER_PID_ENV, arm_deadline, die_with_parent
+from autotune.probe.lifetime import DEADLINE_ENV, DRIVER_PID_ENV, arm_deadline, children_ignore_sigint, die_with_parent
 from autotune.records import ProbeResult, ProbeSpec, ProbeStatus
 
 IsolationMode = Literal["forkserver", "cold"]
@@ -325,12 +326,12 @@ def _start_watched(process: Any, limit_s: float) -> None:
     Raises:
         ConnectionError: the server stopped working; the caller starts the probe cold.
     """
-    import threading
     from multiprocessing import forkserver
 
     # The server itself is started from this thread (at once: its imports run in it), not from the watched one:
     # a server started from a thread that then ends failed every fork (exit code 255, Python 3.11, Linux).
-    forkserver.ensure_running()
+    with children_ignore_sigint():
+        forkserver.ensure_running()
     failed: list[BaseException] = []
 
     def start() -> None:
