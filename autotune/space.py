@@ -152,10 +152,9 @@ class SearchSpace:
         }
 
     def random_point(self, rng: random.Random) -> TrialParams:
-        # A knob added later with one value draws nothing: random points stay those of the space
-        # before it existed, so seeded searches (the benchmarks) repeat.
+        """A uniformly drawn point; a parameter with one value is not a choice and draws nothing from ``rng``."""
         return self.complete({
-            name: values[0] if name in KNOBS_ADDED_LATER and len(values) == 1 else rng.choice(values)
+            name: values[0] if len(values) == 1 else rng.choice(values)
             for name, values in ((n, self.choices[n]) for n in self.free_params)
         })
 
