@@ -178,3 +178,15 @@ def test_a_replayed_search_never_imports_torch() -> None:
 
 def test_no_module_imports_the_facade() -> None:
     assert [name for name, path in MODULES.items() if name != ROOT and ROOT in _imports(path)] == []
+
+
+def test_the_product_never_imports_the_benchmarks_or_the_tests() -> None:
+    """The wheel ships ``autotune/`` only: no module of it may import ``bench`` or ``tests`` (function-level
+    imports included), so nothing the product runs depends on the checkout."""
+    found = []
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            found += [f"{name} -> {target}" for target in names if target.split(".")[0] in ("bench", "tests")]
+    assert found == []
