@@ -261,11 +261,16 @@ def test_a_child_spawned_under_children_ignore_sigint_starts_ignoring_it() -> No
     from autotune.probe.lifetime import children_ignore_sigint
 
     show = [sys.executable, "-c", "import signal; print(signal.getsignal(signal.SIGINT) == signal.SIG_IGN)"]
-    with children_ignore_sigint():
-        inside = subprocess.run(show, capture_output=True, text=True, check=True).stdout
-    outside = subprocess.run(show, capture_output=True, text=True, check=True).stdout
-    assert (inside.strip(), outside.strip()) == ("True", "False")
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the run's own handler is back
+    # As a run in a terminal has it (a background job of a script starts with SIGINT ignored, and CI may run so).
+    original = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with children_ignore_sigint():
+            inside = subprocess.run(show, capture_output=True, text=True, check=True).stdout
+        outside = subprocess.run(show, capture_output=True, text=True, check=True).stdout
+        assert (inside.strip(), outside.strip()) == ("True", "False")
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the run's own handler is back
+    finally:
+        signal.signal(signal.SIGINT, original)
 
 
 def test_a_process_that_ended_is_not_running_even_before_its_parent_reaps_it() -> None:

@@ -325,9 +325,12 @@ def test_the_strategy_is_told_the_time_kept_for_the_near_ties(fake_gpu) -> None:
     seen: list[tuple[float, float | None, float]] = []
 
     class Recording(RandomStrategy):
+        """The near-tied pair first, then the rest: proposals go on after the tie, whatever a random stream draws."""
+
         def propose(self, state):
             seen.append((fake.clock.now(), state.remaining_s, state.kept_s))
-            return super().propose(state)
+            order = [state.space.with_changes(state.space.baseline(), per_device_train_batch_size=b) for b in (32, 64, 8, 16, 96)]
+            return next((p for p in order if p.key() not in state.seen), None)
 
     fake = NoisyEvaluator({8: [50.0], 16: [80.0], 32: [100.0, 100.0], 64: [99.5, 99.5], 96: [60.0]})
     run_search(_study(), _batch_space(fake_gpu, (8, 16, 32, 64, 96)), fake,
