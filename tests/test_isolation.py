@@ -258,7 +258,7 @@ def test_a_child_spawned_under_children_ignore_sigint_starts_ignoring_it() -> No
     own handler."""
     import signal
 
-    from autotune.probe.lifetime import children_ignore_sigint
+    from autotune.probe.spawning import children_ignore_sigint
 
     show = [sys.executable, "-c", "import signal; print(signal.getsignal(signal.SIGINT) == signal.SIG_IGN)"]
     # As a run in a terminal has it (a background job of a script starts with SIGINT ignored, and CI may run so).
@@ -271,6 +271,28 @@ def test_a_child_spawned_under_children_ignore_sigint_starts_ignoring_it() -> No
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the run's own handler is back
     finally:
         signal.signal(signal.SIGINT, original)
+
+
+def test_a_temporary_folder_too_long_for_the_servers_socket_is_swapped_for_tmp_while_it_starts(tmp_path, monkeypatch) -> None:
+    """multiprocessing binds the server's AF_UNIX socket under TMPDIR: past 107 bytes the bind fails ("AF_UNIX path too
+    long") and every probe started cold; a short TMPDIR is left alone."""
+    import tempfile
+
+    from autotune.probe.spawning import short_socket_dir
+
+    deep = tmp_path / ("d" * 80)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    with short_socket_dir():
+        assert tempfile.gettempdir() == "/tmp"
+    assert tempfile.gettempdir() == str(deep)
+    short = tempfile.mkdtemp(prefix="at-", dir="/tmp")
+    try:
+        monkeypatch.setattr(tempfile, "tempdir", short)
+        with short_socket_dir():
+            assert tempfile.gettempdir() == short
+    finally:
+        os.rmdir(short)
 
 
 def test_a_process_that_ended_is_not_running_even_before_its_parent_reaps_it() -> None:

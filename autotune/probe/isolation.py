@@ -56,7 +56,8 @@ from typing import Any, Literal, Protocol
 
 import psutil
 
-from autotune.probe.lifetime import DEADLINE_ENV, DRIVER_PID_ENV, arm_deadline, children_ignore_sigint, die_with_parent
+from autotune.probe.lifetime import DEADLINE_ENV, DRIVER_PID_ENV, arm_deadline, die_with_parent
+from autotune.probe.spawning import children_ignore_sigint, short_socket_dir
 from autotune.records import ProbeResult, ProbeSpec, ProbeStatus
 
 IsolationMode = Literal["forkserver", "cold"]
@@ -330,7 +331,7 @@ def _start_watched(process: Any, limit_s: float) -> None:
 
     # The server itself is started from this thread (at once: its imports run in it), not from the watched one:
     # a server started from a thread that then ends failed every fork (exit code 255, Python 3.11, Linux).
-    with children_ignore_sigint():
+    with children_ignore_sigint(), short_socket_dir():
         forkserver.ensure_running()
     failed: list[BaseException] = []
 

@@ -12,16 +12,12 @@ its container), nothing in the driver can clean up; these processes must notice 
 * :func:`arm_deadline` gives the probe its own deadline (``SIGALRM``), a backstop for the parent's
   ``wait()``: a probe that never ends cannot run on for ever even if its parent is stuck.
 
-* :func:`children_ignore_sigint`: the probe server is spawned ignoring SIGINT, so a Ctrl-C to the run's
-  process group while it starts is the run's to handle, not a traceback from the server.
-
 ``DRIVER_PID_ENV`` carries the driver's pid into the children, so one that started after the driver
 had already died (a race the death signal cannot see) exits at once.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import math
 import os
@@ -29,7 +25,6 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
 
 import psutil
 
@@ -73,19 +68,3 @@ def arm_deadline() -> None:
         return
     signal.signal(signal.SIGALRM, signal.SIG_DFL)
     signal.alarm(max(1, math.ceil(deadline_s + DEADLINE_GRACE_S)))
-
-
-@contextlib.contextmanager
-def children_ignore_sigint() -> Iterator[None]:
-    """SIGINT ignored while a child process is spawned (milliseconds; the probe server: ``isolation._start_watched``).
-    An ignored signal stays so across fork and exec, so the child ignores a Ctrl-C to the run's process group from its
-    first instruction (an interrupted start printed a traceback); the run handles the Ctrl-C. Only the main thread may
-    set a handler: from another thread this does nothing (the server's preload.py ignores SIGINT first thing)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
