@@ -24,8 +24,10 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/autotune run --space quick --seq-len 128 --budget 3m --output best.json
 
+# The tests run in up to four processes (pytest-xdist), one per core: most of their time is spent starting
+# interpreters and probes, not computing. Work stealing keeps the slowest tests from ending on one worker.
 test: $(STAMP) browser postgres lint
-	$(PY) -m pytest
+	$(PY) -m pytest -n auto --maxprocesses 4 --dist worksteal
 
 # ruff over the code, the tests and the benchmarks; mypy over the search package (its imports are
 # read for their types, their own errors not reported).
