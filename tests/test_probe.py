@@ -103,17 +103,24 @@ def test_simulated_ceiling_makes_an_oom() -> None:
     assert "simulated ceiling" in result.error
 
 
-def test_deadline_kills_a_probe_as_timeout() -> None:
+def test_deadline_kills_a_probe_as_timeout(monkeypatch) -> None:
     # A warm probe of a tiny model can finish within 0.5 s: slow its input so it cannot.
-    import glob
-    import tempfile
+    import contextlib
 
-    scratch = f"{tempfile.gettempdir()}/autotune-probe*"
-    before = set(glob.glob(scratch))
+    used: list[Path] = []
+    real_folder = isolation._probe_folder
+
+    @contextlib.contextmanager
+    def recorded_folder(*args, **kwargs):
+        with real_folder(*args, **kwargs) as folder:
+            used.append(folder)
+            yield folder
+
+    monkeypatch.setattr(isolation, "_probe_folder", recorded_folder)  # this probe's, not another test's in this process
     result = isolation.run_isolated(_slow_input_spec("make_trainer_500ms"), timeout_s=0.5)
     assert result.status == "timeout"
     assert result.wall_s < 5
-    assert set(glob.glob(scratch)) == before  # the killed child's scratch folder went with it
+    assert len(used) == 1 and not used[0].exists()  # the killed child's scratch folder went with it
 
 
 def test_fp32_probe_trains_with_ieee_fp32_matmuls() -> None:
