@@ -191,6 +191,7 @@ def test_debug_is_accepted_after_the_subcommand_too(capsys) -> None:
             main([*argv, "--device", "cpu"])
 
 
+@pytest.mark.slow
 def test_a_closed_pipe_ends_quietly(tmp_path) -> None:
     """`autotune estimate ... | head -3`: the reader goes away; no BrokenPipeError traceback."""
     import subprocess

@@ -100,6 +100,7 @@ def test_the_evaluator_passes_its_uuid_and_mode(monkeypatch) -> None:
 # ---- the probe server's self-test ---------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_server_self_test_passes_on_a_clean_server(monkeypatch) -> None:
     monkeypatch.setattr(isolation, "_server_check", None)
     state = isolation._probe_server_cuda()  # starts the server if this process has none yet

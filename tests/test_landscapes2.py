@@ -115,6 +115,7 @@ def test_compilation_gains_more_at_larger_batches():
             assert _compile_gain(frame, 64, "bf16") > _compile_gain(frame, 1, "bf16") > 1.0
 
 
+@pytest.mark.slow
 def test_bf16_against_fp32_depends_on_batch_and_compile():
     # Eager autocast costs dispatch and casts: where the step is bound by them bf16 loses; compiled at
     # large batches the tensor cores win. Some draws of a wide range show the first, every one the second.
@@ -157,6 +158,7 @@ def test_input_bound_draws_measure_every_precision_the_same_until_enough_workers
     assert found
 
 
+@pytest.mark.slow
 def test_failures_apply_where_the_draw_says():
     kinds = set()
     for index in range(900_000, 900_120):
