@@ -489,7 +489,7 @@ def search_draw(strategy: str, index: int, budget_s: float, seed: int, noise_str
     study = optuna.create_study(direction="maximize", sampler=chosen.sampler(seed))
     settings = SearchSettings(memory_ceiling_bytes=d.ceiling_bytes, budget_s=budget_s, seed=seed, min_probe_s=1.0)
     started = time.process_time()
-    from bench.search import table_expert
+    from bench.table_expert import table_expert
 
     # The search runs the product's own expert rule (its batch from the table's recorded peaks), as a run does.
     outcome = run_search(study, space, evaluator, settings, baseline=space.baseline(), expert=table_expert(table, d.ceiling_bytes),

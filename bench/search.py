@@ -97,6 +97,7 @@ import numpy as np  # noqa: E402
 
 from autotune.search.replay import load_table, replay_search  # noqa: E402
 from autotune.units import format_bytes, parse_bytes, parse_duration_s  # noqa: E402
+from bench.table_expert import table_expert  # noqa: E402
 
 DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
 DEFAULT_TABLES = (
@@ -166,33 +167,6 @@ def _table(path: str) -> Any:
     if path not in _TABLES:
         _TABLES[path] = load_table(path)
     return _TABLES[path]
-
-
-class TableMemory:
-    """A replay table's recorded peaks as the memory model :func:`autotune.search.expert.expert_params`
-    reads (``largest_batch_that_fits``): the analytic model a real run has stands in for what was measured."""
-
-    def __init__(self, table: Any) -> None:
-        self.table = table
-
-    def largest_batch_that_fits(self, params: Any, batch_sizes: Any, ceiling_bytes: int) -> int | None:
-        fitting = None
-        for batch in sorted(batch_sizes):
-            row = self.table.row(params.replace(per_device_train_batch_size=batch))
-            if row is None or row["status"] == "oom" or (row["peak_mem_bytes"] == row["peak_mem_bytes"] and row["peak_mem_bytes"] > ceiling_bytes):
-                break  # out of memory, or over the ceiling (a peak that is NaN, a crash's, says nothing)
-            fitting = batch
-        return fitting
-
-
-def table_expert(table: Any, ceiling_bytes: int) -> Any:
-    """The expert rule's configuration in a replay table's space, its batch from the table's recorded peaks."""
-    from autotune.search.expert import expert_params
-
-    space = table.space()
-    default = space.baseline()
-    base = default if space.contains(default) else space.complete({n: space.choices[n][0] for n in space.free_params})
-    return expert_params(space, base, TableMemory(table), ceiling_bytes)
 
 
 def _table_task(task: tuple[str, int, float, str, int]) -> Any:
