@@ -436,12 +436,12 @@ def _expert(plan: RunPlan) -> TrialParams:
 
 def _plan_warnings(plan: RunPlan) -> tuple[str, ...]:
     """What the plan can tell before any probe: that its first probe (the baseline) cannot finish in time."""
-    from autotune.probe.duration import cannot_finish_warning, probe_floor
+    from autotune.probe.duration import cannot_finish_warning, probe_floor, tightest_limit
 
-    floor = probe_floor(plan.model, plan.device, plan.seq_len, plan.baseline, plan.warmup_steps + plan.measure_steps,
-                        counts=plan.parameters)
-    warning = cannot_finish_warning(floor, f"the first probe ({plan.baseline.short()}, {plan.warmup_steps + plan.measure_steps} steps)",
-                                    plan.settings.budget_s, plan.settings.trial_timeout_s)
+    steps, budget_s, timeout_s = plan.warmup_steps + plan.measure_steps, plan.settings.budget_s, plan.settings.trial_timeout_s
+    floor = probe_floor(plan.model, plan.device, plan.seq_len, plan.baseline, steps, counts=plan.parameters,
+                        within_s=tightest_limit(budget_s, timeout_s)[0])
+    warning = cannot_finish_warning(floor, f"the first probe ({plan.baseline.short()}, {steps} steps)", budget_s, timeout_s)
     return (warning,) if warning else ()
 
 

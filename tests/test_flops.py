@@ -116,3 +116,22 @@ def test_a_plan_on_cpu_warns_that_a_large_models_first_probe_cannot_finish(tmp_p
     (warning,) = plan_run(RunOptions(model="polyglot-ko-1.3b", **common)).warnings
     assert warning.startswith("the first probe (bs8x1 fp32") and "the 1m00s budget" in warning and "it will time out" in warning
     assert plan_run(RunOptions(model="tiny-gptneox", seq_len=64, **common)).warnings == ()
+
+
+def test_no_cpu_peak_is_measured_where_even_a_slow_device_would_finish_in_time(monkeypatch) -> None:
+    """The plan times a CPU's matmuls only where the answer may be a warning: a probe whose FLOPs 1 GFLOP/s does
+    within the limit gets no floor and no measurement; one that it does not is measured."""
+    from autotune.models import resolve_model
+    from autotune.params import TrialParams
+    from autotune.probe import duration
+    from autotune.records import DeviceInfo
+
+    measured: list[bool] = []
+    monkeypatch.setattr(duration, "cpu_matmul_flops_per_s", lambda: measured.append(True) or 1e11)
+    cpu = DeviceInfo(kind="cpu", name="CPU: test", total_memory_bytes=24 << 30)
+    params = TrialParams(per_device_train_batch_size=8)
+    tiny = resolve_model("tiny-gptneox")
+    flops = duration.probe_flops(tiny, 64, params, 11)
+    assert duration.probe_floor(tiny, cpu, 64, params, 11, within_s=flops / 1e9) is None and measured == []
+    floor = duration.probe_floor(tiny, cpu, 64, params, 11, within_s=flops / 1e9 / 2)
+    assert floor is not None and floor.flops == flops and floor.peak_flops_per_s == 1e11 and measured == [True]

@@ -20,6 +20,9 @@ from autotune.probe.flops import device_peaks, model_flops_per_token
 
 _MATMUL_SIZE = 1024  # a square fp32 matmul large enough to reach a CPU's peak, small enough to time in ~0.1 s
 _MATMUL_REPEATS = 6  # the fastest of these counts: a busy moment slows some, none speeds any up
+# No device training a model is slower than this: a probe whose FLOPs it would do within the limit cannot be over
+# it, so the CPU's peak (a fraction of a second of matmuls) is measured only where the answer may be a warning.
+SLOWEST_PEAK_FLOPS_PER_S = 1e9
 
 
 @dataclass(frozen=True)
@@ -76,12 +79,23 @@ def cpu_matmul_flops_per_s() -> float:
     return 2.0 * _MATMUL_SIZE**3 / max(fastest_s, 1e-9)
 
 
-def probe_floor(model: Any, device: Any, seq_len: int, params: TrialParams, steps: int, *, counts: Any = None) -> ProbeFloor | None:
-    """The compute floor of one probe (None where the device's peak is unknown)."""
-    peak = peak_flops_per_s(device)
-    if peak is None:
+def probe_floor(model: Any, device: Any, seq_len: int, params: TrialParams, steps: int, *, counts: Any = None,
+                within_s: float | None = None) -> ProbeFloor | None:
+    """The compute floor of one probe; None where the device's peak is unknown, or where even
+    :data:`SLOWEST_PEAK_FLOPS_PER_S` would do its FLOPs within ``within_s`` (then no peak is measured)."""
+    flops = probe_flops(model, seq_len, params, steps, counts=counts)
+    if within_s is not None and flops / SLOWEST_PEAK_FLOPS_PER_S <= within_s:
         return None
-    return ProbeFloor(probe_flops(model, seq_len, params, steps, counts=counts), *peak)
+    peak = peak_flops_per_s(device)
+    return ProbeFloor(flops, *peak) if peak is not None else None
+
+
+def tightest_limit(budget_s: float | None, trial_timeout_s: float) -> tuple[float, str]:
+    """What bounds one probe first, in seconds, and its name: the probe deadline or the run's budget."""
+    limits = [(trial_timeout_s, "probe deadline (--trial-timeout)")]
+    if budget_s is not None:
+        limits.append((budget_s, "budget"))
+    return min(limits)
 
 
 def cannot_finish_warning(floor: ProbeFloor | None, what: str, budget_s: float | None, trial_timeout_s: float) -> str | None:
@@ -91,10 +105,7 @@ def cannot_finish_warning(floor: ProbeFloor | None, what: str, budget_s: float |
 
     if floor is None:
         return None
-    limits = [(trial_timeout_s, "probe deadline (--trial-timeout)")]
-    if budget_s is not None:
-        limits.append((budget_s, "budget"))
-    limit_s, limit = min(limits)
+    limit_s, limit = tightest_limit(budget_s, trial_timeout_s)
     if floor.seconds <= limit_s:
         return None
     rate = (f"{floor.peak_flops_per_s / 1e9:,.0f} GFLOP/s, this CPU's matmul peak" if floor.peak_source == "measured"
