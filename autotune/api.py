@@ -72,6 +72,7 @@ def plan_evaluator(plan: RunPlan) -> Evaluator:
         trainer_args=plan.trainer.trainer_args if plan.trainer else None,
         trainer_attn_flag=bool(plan.trainer and plan.trainer.takes_attn_flag),
         objective_tokens_per_sample=plan.tokens_per_sample,
+        nproc=plan.nproc_per_probe,
     )
 
 

@@ -130,7 +130,9 @@ class LiveProgress:
 def print_header(console: Console, plan: Any, resumed: int) -> None:
     """What is about to be tuned, where the study lives, and what the space dropped (an ``autotune.plan.RunPlan``)."""
     console.print(
-        f"[bold]autotune[/] {plan.model.name} seq-len {plan.seq_len} on {plan.device.name}, "
+        f"[bold]autotune[/] {plan.model.name} seq-len {plan.seq_len} on {plan.device.name}"
+        + (f" x{plan.nproc_per_probe} processes per probe (torchrun, DDP; samples/s summed over them)" if plan.nproc_per_probe > 1 else "")
+        + ", "
         f"ceiling {format_bytes(plan.memory_ceiling_bytes)}, space '{plan.space.name}' ({plan.space.size:,} configurations)"
         + (f", resuming {resumed} finished trials" if resumed else ""),
         soft_wrap=True,

@@ -83,6 +83,10 @@ class RunOptions:
         objective: ``tokens`` (real, non-padding tokens per second; the default with ``trainer``, whose
             batches' lengths vary) or ``samples`` (sequences per second; the default otherwise, where
             every sequence has ``seq_len`` tokens).
+        nproc_per_probe: processes per probe, one per GPU (``--device cuda:N``: GPUs N, N+1, ...), started by
+            ``torchrun`` and trained data-parallel by the Trainer (DDP; gloo on the CPU, where each process gets its share
+            of the cores and of the memory ceiling). Throughput is the sum over the processes, the peak the largest; the
+            best configuration is per device, for ``torchrun --nproc-per-node N``. Default 1: one process, no process group.
     """
 
     model: str | None = None
@@ -114,6 +118,7 @@ class RunOptions:
     trainer_args: str | Sequence[str] | None = None
     baseline: str | dict[str, Any] | None = None
     objective: str | None = None
+    nproc_per_probe: int = 1
 
     def __post_init__(self) -> None:
         check_option_types(self)

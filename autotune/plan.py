@@ -69,6 +69,7 @@ class RunPlan:
     baseline_source: str = "defaults"  # "user" (a make_trainer(argv) factory's own settings), "file" (--baseline), "defaults"
     started_s: float | None = None  # time.monotonic() when planning began: the budget counts from there
     warnings: tuple[str, ...] = ()  # what the plan tells before any probe ran (autotune.probe.duration), one line each
+    nproc_per_probe: int = 1  # processes per probe (torchrun ranks, one GPU each): part of the study's identity
 
     @property
     def tokens_per_sample(self) -> float | None:
@@ -124,6 +125,7 @@ class RunPlan:
             "trainer": self.trainer_identity(),
             "expert": self.expert.to_dict() if self.expert else None,
             "objective": self.objective,
+            "nproc_per_probe": self.nproc_per_probe,
             "baseline_source": self.baseline_source,
             "config_class": self.trainer.config_class if self.trainer else "transformers.training_args.TrainingArguments",
             "user_config": self.trainer.user_config if self.trainer else None,
@@ -225,6 +227,7 @@ def plan_run(options: RunOptions) -> RunPlan:
         device_info = _same_kind_gpus(gpus, options.device)
     else:
         device_info = options.device if isinstance(options.device, DeviceInfo) else detect_device(options.device)
+    _check_nproc(options, device_info, gpus)
     user = None
     trainer_args = _trainer_args(options, trainer_ref)
     space_data = None if isinstance(options.space, SearchSpace) else read_space_data(options.space)
@@ -235,8 +238,8 @@ def plan_run(options: RunOptions) -> RunPlan:
                                               trainer_args, check_values)
         seq_len = user.seq_len
     objective = _objective(options.objective, user)
-    if options.memory_ceiling is None:
-        ceiling = int(CEILING_SAFETY_FRACTION * device_info.total_memory_bytes)
+    if options.memory_ceiling is None:  # on a CPU the ranks of a probe share the host's memory: each gets its share
+        ceiling = int(CEILING_SAFETY_FRACTION * device_info.total_memory_bytes / (1 if device_info.is_cuda else options.nproc_per_probe))
     else:
         ceiling = parse_bytes(options.memory_ceiling, total_bytes=device_info.total_memory_bytes)
         if ceiling > device_info.total_memory_bytes:
@@ -277,7 +280,8 @@ def plan_run(options: RunOptions) -> RunPlan:
     if user is not None:
         counts = user.parameters
     name = user.ref.label if user else options.model or DEFAULT_MODEL
-    study_name = options.study or opening.default_study_name(name, seq_len, device_info.kind, options.effective_batch_size, lora)
+    study_name = options.study or opening.default_study_name(name, seq_len, device_info.kind, options.effective_batch_size, lora,
+                                                                          options.nproc_per_probe)
     plan = RunPlan(
         model=model_spec,
         device=device_info,
@@ -303,6 +307,7 @@ def plan_run(options: RunOptions) -> RunPlan:
         objective=objective,
         baseline_source=baseline_source,
         started_s=planned_s,
+        nproc_per_probe=options.nproc_per_probe,
     )
     plan = dataclasses.replace(plan, expert=_expert(plan), warnings=_plan_warnings(plan))
     if gpus and not isinstance(plan.storage, str):
@@ -510,7 +515,43 @@ def largest_lean_batch(model: Any, seq_len: int, memory_bytes: int, space: Searc
     return MemoryModel(dims, seq_len).largest_batch_that_fits(lean, space.batch_growth(), memory_bytes) or 0
 
 
-def _same_kind_gpus(gpus: list[int], device: str | DeviceInfo) -> DeviceInfo:
+def _check_nproc(options: RunOptions, device: DeviceInfo, gpus: list[int] | None) -> None:
+    """Processes per probe that this machine can run.
+
+    Raises:
+        UsageError/DeviceError: fewer than 1; more than the GPUs from ``--device`` on (or, on a CPU, than its cores);
+            GPUs of different kinds; combined with ``--gpus`` or ``--effective-batch-size``, which do not count ranks yet.
+    """
+    import os
+
+    n = options.nproc_per_probe
+    if n < 1:
+        raise UsageError(f"--nproc-per-probe must be at least 1, got {n}")
+    if n == 1:
+        return
+    if gpus is not None:
+        raise UsageError(f"--gpus with --nproc-per-probe {n}: workers of several GPUs each are not supported yet; drop --gpus "
+                         f"(one search whose probes span GPUs {device.index if device.is_cuda else 0}..) or --nproc-per-probe")
+    if options.effective_batch_size is not None:
+        raise UsageError(f"--effective-batch-size with --nproc-per-probe {n} is not supported yet (the batch would count one "
+                         "rank's samples): drop one of them")
+    if device.is_cuda:
+        from autotune.probe.ranks import probe_gpus
+
+        wanted = [int(d.partition(":")[2]) for d in probe_gpus(f"cuda:{device.index}", n)]
+        try:
+            _same_kind_gpus(wanted, "cuda", flag=f"--nproc-per-probe {n} from cuda:{device.index}")
+        except DeviceError as exc:
+            if "different kinds" in str(exc):
+                raise
+            raise DeviceError(f"--nproc-per-probe {n} from cuda:{device.index} needs GPUs {wanted[0]}..{wanted[-1]} ({exc}): "
+                              "use fewer processes or a lower --device cuda:N") from exc
+    elif n > (os.cpu_count() or 1):
+        raise UsageError(f"--nproc-per-probe {n} on a CPU of {os.cpu_count()} cores: each process needs a core; "
+                         f"use --nproc-per-probe {os.cpu_count()} or less")
+
+
+def _same_kind_gpus(gpus: list[int], device: str | DeviceInfo, flag: str = "--gpus") -> DeviceInfo:
     """The first of ``gpus``, after checking every one exists and is the same model with the same memory
     (a study belongs to one device kind: its measurements rank configurations for that kind).
 
@@ -523,8 +564,9 @@ def _same_kind_gpus(gpus: list[int], device: str | DeviceInfo) -> DeviceInfo:
     kinds = {(info.name, info.total_memory_bytes) for info in infos}
     if len(kinds) > 1:
         listing = ", ".join(f"cuda:{gpu} {info.name} {format_bytes(info.total_memory_bytes)}" for gpu, info in zip(gpus, infos))
-        raise DeviceError(f"--gpus names GPUs of different kinds ({listing}): a study is for one kind; "
-                          "run one study per kind, each with its own --gpus")
+        raise DeviceError(f"{flag} names GPUs of different kinds ({listing}): a study is for one kind; "
+                          "run one study per kind, each with its own --gpus" if flag == "--gpus" else f"{flag} spans GPUs of different "
+                          f"kinds ({listing}): pick --device so that its {len(gpus)} GPUs are of one kind")
     return infos[0]
 
 

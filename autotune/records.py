@@ -90,6 +90,9 @@ class ProbeSpec:
     objective_tokens_per_sample: float | None = None
     # The plan-time check only: user-config fields of the space and their values, each tried on the user's config class.
     check_values: dict[str, list[Any]] | None = None
+    # Processes the probe runs, one per GPU (on a CPU, each with its share of the cores), launched by torchrun and
+    # trained data-parallel by the Trainer (autotune.probe.ranks); 1: one process, no process group.
+    nproc: int = 1
 
     def to_json(self) -> str:
         data = dataclasses.asdict(self)
@@ -127,6 +130,9 @@ class ProbeResult:
     # kernels), measured after CUDA init and a first matmul; part of peak_mem_bytes.
     non_allocator_bytes: int | None = None
     num_alloc_retries: int | None = None  # CUDA: allocator cudaMalloc retries (cache flushed to fit); >0 near the cap
+    # Host memory: the peak resident set of the probe's process, summed over its ranks (they share the host). On a CPU
+    # run it is also the device memory (peak_mem_bytes: the largest rank's).
+    host_peak_rss_bytes: int | None = None
     setup_s: float | None = None  # child start to first training step: imports, model build, Trainer
     warmup_s: float | None = None
     wall_s: float | None = None  # the whole probe as the parent saw it, process start included

@@ -427,6 +427,11 @@ class TuneResult:
 
         return note(LoraSettings.from_dict(self.settings["peft"]), self.settings.get("parameters"))
 
+    def ranks_note(self) -> str | None:
+        """For a study whose probes ran several processes: how to launch the best (its batch is per device)."""
+        n = int(self.settings.get("nproc_per_probe") or 1)
+        return f"per device, measured as {n} data-parallel processes: launch with torchrun --nproc-per-node {n}" if n > 1 else None
+
     def best_json(self) -> dict[str, Any]:
         """best.json: fields of the user's config class only (``TrainingArguments(**best)``, ``SFTConfig(**best)``,
         ``trl sft --config best.json`` load it); the model-loading half is :meth:`model_json`."""
@@ -440,7 +445,7 @@ class TuneResult:
         the adapters the probes trained."""
         loading: dict[str, Any] = {"attn_implementation": self.best_kwargs()["attn_implementation"]}
         speedups = self.speedups_line()
-        notes = [f"measured in study {self.study_name!r}: {speedups}" if speedups else "", self.peft_note() or ""]
+        notes = [f"measured in study {self.study_name!r}: {speedups}" if speedups else "", self.peft_note() or "", self.ranks_note() or ""]
         note = "; ".join(n for n in notes if n)
         return {**loading, "autotune_note": note} if note else loading
 

@@ -27,6 +27,7 @@ NaN/inf loss is ``diverged``, any other exception is ``crash`` with its tracebac
 from __future__ import annotations
 
 import math
+import os
 import sys
 import tempfile
 import time
@@ -39,6 +40,7 @@ from typing import Any
 from autotune.params import fp32_matmul_setting, mixed_precision_dtype
 from autotune.probe.memory import CudaBaseline, allocator_cap_bytes, memory_fields, non_allocator_bytes
 from autotune.probe.model import build_probe_model, env_folder, matmul_params
+from autotune.probe.ranks import FAILED_RANK_EXIT_CODE, agree, local_rank, rank_result_path, this_rank
 from autotune.probe.steady import StopRule
 from autotune.probe.summary import min_telemetry_window_s, parameter_fields, summarise
 from autotune.records import ProbeResult, ProbeSpec, ProbeStatus
@@ -163,6 +165,7 @@ def _init_cuda(spec: ProbeSpec) -> CudaBaseline:
     from autotune.probe.telemetry import nvml_used_bytes
 
     used_before = nvml_used_bytes()  # before this process has a context
+    torch.cuda.set_device(local_rank())  # a rank of a multi-process probe: its own GPU of the probe's
     x = torch.ones(64, 64, device="cuda")
     torch.nn.functional.linear(x, x, x[0])  # cuBLAS(Lt) handle and workspace
     amp = mixed_precision_dtype(spec.params.precision)  # bf16+tf32 autocasts to bf16 too
@@ -173,7 +176,7 @@ def _init_cuda(spec: ProbeSpec) -> CudaBaseline:
     baseline = non_allocator_bytes(used_before, nvml_used_bytes(), int(torch.cuda.memory_reserved()))
     if spec.memory_ceiling_bytes is not None:
         cap = allocator_cap_bytes(spec.memory_ceiling_bytes, used_before, baseline)
-        total = torch.cuda.get_device_properties(0).total_memory
+        total = torch.cuda.get_device_properties(local_rank()).total_memory
         torch.cuda.set_per_process_memory_fraction(min(cap / total, 1.0))
     torch.cuda.reset_peak_memory_stats()
     return CudaBaseline(used_before_cuda_bytes=used_before, non_allocator_bytes=baseline)
@@ -296,7 +299,10 @@ def _make_callback(spec: ProbeSpec, cuda: bool) -> Any:
             self._check_finite(control)
             if len(self.step_end_s) == spec.warmup_steps:
                 self._start_sampler()
-            if len(self.step_end_s) > spec.warmup_steps and self.rule.should_stop(self.step_times_s(), self.reference_step_s()):
+            stop = len(self.step_end_s) > spec.warmup_steps and self.rule.should_stop(self.step_times_s(), self.reference_step_s())
+            if spec.nproc > 1:  # every rank stops at the same step, or one waits for the others' gradients forever
+                stop = agree(stop or bool(control.should_training_stop))
+            if stop:
                 control.should_training_stop = True
                 self.stop_sampler()  # the telemetry window ends with the last measured step
 
@@ -438,7 +444,7 @@ def run_probe(spec: ProbeSpec) -> ProbeResult:
                 trainer.add_callback(callback)
                 trainer.remove_callback(ProgressCallback)
             else:
-                dataset = _make_dataset(spec, ModelSpec.from_dict(spec.model).vocab_size, total_steps * params.effective_batch_size)
+                dataset = _make_dataset(spec, ModelSpec.from_dict(spec.model).vocab_size, total_steps * params.effective_batch_size * spec.nproc)
                 trainer = _timed_trainer(callback)(model=model, args=args, train_dataset=dataset, callbacks=[callback])
             trainer.remove_callback(PrinterCallback)  # no printing per step inside the measured window
             # After the Trainer is built (TrainingArguments and accelerate have set TF32 their way), before it trains.
@@ -493,7 +499,14 @@ def main(argv: list[str] | None = None) -> int:
         multiprocessing.set_start_method("fork", force=True)
     spec = ProbeSpec.from_json(Path(argv[0]).read_text(encoding="utf-8"))
     result = run_probe(spec)
-    Path(argv[1]).write_text(__import__("json").dumps(result.to_dict()), encoding="utf-8")
+    rank, world = this_rank()
+    result_path = rank_result_path(argv[1], rank) if world > 1 else Path(argv[1])
+    result_path.write_text(__import__("json").dumps(result.to_dict()), encoding="utf-8")
+    if world > 1 and result.status is not ProbeStatus.OK:
+        # The other ranks wait in a collective for this one: leave at once with a failure, so torchrun ends them.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(FAILED_RANK_EXIT_CODE)
     return 0
 
 

@@ -56,6 +56,7 @@ class ProbeEvaluator:
     trainer_args: tuple[str, ...] | None = None  # ProbeSpec.trainer_args
     trainer_attn_flag: bool = False  # ProbeSpec.trainer_attn_flag
     objective_tokens_per_sample: float | None = None  # ProbeSpec.objective_tokens_per_sample
+    nproc: int = 1  # ProbeSpec.nproc: ranks per probe (torchrun), one GPU each from ``device`` on
     _trial_number: int | None = field(default=None, init=False, repr=False)
     _last_probe_end_s: float | None = field(default=None, init=False, repr=False)  # time.time() when our last probe ended
 
@@ -79,6 +80,7 @@ class ProbeEvaluator:
             trainer_args=self.trainer_args,
             trainer_attn_flag=self.trainer_attn_flag,
             objective_tokens_per_sample=self.objective_tokens_per_sample,
+            nproc=self.nproc,
         )
 
     def prepare(self) -> None:

@@ -56,6 +56,7 @@ from typing import Any, Literal, Protocol
 
 import psutil
 
+from autotune.probe import ranks
 from autotune.probe.lifetime import DEADLINE_ENV, DRIVER_PID_ENV, arm_deadline, die_with_parent
 from autotune.probe.spawning import children_ignore_sigint, short_socket_dir
 from autotune.records import ProbeResult, ProbeSpec, ProbeStatus
@@ -71,17 +72,6 @@ _FORK_TIMEOUT_S = 120.0  # a running server forks a probe in well under a second
 _SERVER_START_TIMEOUT_S = 600.0  # its imports (torch, transformers) and its first fork, on a loaded machine too
 _SELF_TEST_TIMEOUT_S = 120.0  # the self-test child only reads two flags (the server's imports finish before it forks)
 
-# The variables torchrun sets in each worker (torch.distributed.run documentation, "Environment
-# Variables"), and those accelerate also reads to find an MPI launch (accelerate/state.py,
-# PartialState). A probe started from inside such a job would otherwise see itself as one rank of
-# it, and accelerate would set up a process group (NCCL on a GPU) for a one-process probe.
-DISTRIBUTED_ENV_VARS = (
-    "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK",
-    "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE",
-    "MASTER_ADDR", "MASTER_PORT",
-    "PMI_RANK", "PMI_SIZE",
-)
-DISTRIBUTED_ENV_PREFIXES = ("TORCHELASTIC_", "OMPI_COMM_WORLD_", "MV2_COMM_WORLD_")
 
 _log = logging.getLogger(__name__)
 
@@ -121,10 +111,10 @@ def _kill_tree(pid: int) -> None:
 
 class _ColdChild:
     def __init__(self, spec_path: Path, result_path: Path, log_path: Path, env: dict[str, str], python: str,
-                 module: str = "autotune.probe") -> None:
+                 module: str = "autotune.probe", argv: list[str] | None = None) -> None:
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [python, "-m", module, str(spec_path), str(result_path)],
+                argv or [python, "-m", module, str(spec_path), str(result_path)],
                 stdout=log,
                 stderr=log,
                 stdin=subprocess.DEVNULL,
@@ -451,10 +441,6 @@ def _tail(path: Path) -> str:
         return ""
 
 
-def _is_distributed_var(name: str) -> bool:
-    return name in DISTRIBUTED_ENV_VARS or name.startswith(DISTRIBUTED_ENV_PREFIXES)
-
-
 _uuid_cache: dict[tuple[str, str | None, str | None], str] = {}
 
 
@@ -479,14 +465,15 @@ def resolve_device_uuid(device: str) -> str:
 def child_env(spec: ProbeSpec, device_uuid: str | None = None) -> dict[str, str]:
     """The child's environment: the user's, pinned to one GPU, out of any distributed job, with libraries kept quiet.
 
-    On a GPU the child sees one device, named by its NVML UUID (``device_uuid``, else resolved from
-    ``spec.device``), so it is always ``cuda:0`` there, and NVML finds the same GPU by that UUID.
+    On a GPU the child sees one device (a probe of ``spec.nproc`` ranks: that many, :func:`autotune.probe.ranks.probe_gpus`), named by
+    its NVML UUID (``device_uuid``, comma-separated for several, else resolved from ``spec.device``), so it is
+    always ``cuda:0`` there (a rank: ``cuda:LOCAL_RANK``), and NVML finds the same GPU by that UUID.
     ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` makes the child's CUDA and NVML number GPUs alike, should
     anything in it count them.
     """
-    env = {key: value for key, value in os.environ.items() if not _is_distributed_var(key)}
+    env = {key: value for key, value in os.environ.items() if not ranks.is_distributed_var(key)}
     if spec.device.startswith("cuda"):
-        env["CUDA_VISIBLE_DEVICES"] = device_uuid or resolve_device_uuid(spec.device)
+        env["CUDA_VISIBLE_DEVICES"] = device_uuid or ",".join(resolve_device_uuid(d) for d in ranks.probe_gpus(spec.device, spec.nproc))
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -644,6 +631,8 @@ def run_isolated(
         # even when the child is killed before it can remove its own. The child knows the driver (to die
         # with it) and its own deadline.
         env = {**env, SCRATCH_ENV: str(folder), RUN_CACHE_ENV: str(run_cache_dir()), DRIVER_PID_ENV: str(os.getpid()), DEADLINE_ENV: f"{timeout_s:.0f}"}
+        if spec.nproc > 1:  # torchrun starts fresh interpreters, one per rank
+            mode = "cold"
         if mode == "forkserver" and not start_server():  # once per process; not charged to this trial
             mode = "cold"
         if mode == "forkserver" and (problem := server_problem()) is not None:  # forking from it would hang or fail
@@ -651,7 +640,12 @@ def run_isolated(
             mode = "cold"
         start_s = time.monotonic()
         try:
-            child = _launch(mode, spec_path, result_path, log_path, env, python)
+            child: _Child
+            if spec.nproc > 1:  # torchrun, starting that many ranks of the probe (autotune.probe.ranks)
+                child = _ColdChild(spec_path, result_path, log_path, env, python,
+                                   argv=ranks.launch_command(python, spec.nproc, spec_path, result_path))
+            else:
+                child = _launch(mode, spec_path, result_path, log_path, env, python)
         except (EOFError, ConnectionError, OSError) as exc:
             if mode != "forkserver":
                 raise
@@ -671,6 +665,11 @@ def run_isolated(
             return ProbeResult(
                 status=ProbeStatus.TIMEOUT, error=f"probe passed its {timeout_s:.0f} s deadline and was killed", wall_s=wall_s
             )
+        if spec.nproc > 1 and (reported := ranks.read_results(result_path, spec.nproc)):
+            result = ranks.combine(reported, spec.nproc).replace(wall_s=wall_s)
+            if not any(r is not None and r.status is not ProbeStatus.OK for r in reported) and result.status is not ProbeStatus.OK:
+                result = result.replace(error=f"{result.error}\n{_tail(log_path)}".strip())  # a rank died without a word
+            return result.replace(overhead_s=fixed_overhead_s(result))
         if result_path.exists():
             try:
                 data = json.loads(result_path.read_text(encoding="utf-8"))
@@ -689,3 +688,4 @@ def run_isolated(
             reason = f"probe process exited with code {returncode} without a result"
         tail = _tail(log_path)
         return ProbeResult(status=ProbeStatus.CRASH, error=f"{reason}\n{tail}".strip(), wall_s=wall_s, process_lost=lost)
+

@@ -71,6 +71,7 @@ def memory_fields(spec: ProbeSpec, callback: Any, baseline: CudaBaseline | None)
         outside = baseline.non_allocator_bytes if baseline else None
         retries = torch.cuda.memory_stats().get("num_alloc_retries")
         return {
+            "host_peak_rss_bytes": cpu_peak_rss_bytes(),
             "peak_allocated_bytes": int(torch.cuda.max_memory_allocated()),
             "peak_reserved_bytes": reserved,
             "peak_device_used_bytes": device_used,
@@ -79,4 +80,5 @@ def memory_fields(spec: ProbeSpec, callback: Any, baseline: CudaBaseline | None)
             # The ceiling is checked against what runs out: the whole device, context included.
             "peak_mem_bytes": reported_peak_bytes(device_used, used_before, outside, reserved),
         }
-    return {"peak_mem_bytes": cpu_peak_rss_bytes()}
+    peak = cpu_peak_rss_bytes()
+    return {"peak_mem_bytes": peak, "host_peak_rss_bytes": peak}

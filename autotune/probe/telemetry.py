@@ -21,7 +21,7 @@ MIN_TELEMETRY_WINDOW_S = 2.0
 
 
 def probe_device_uuid() -> str | None:
-    """NVML UUID of this process's CUDA device 0, or None without NVML or a visible GPU.
+    """NVML UUID of this process's CUDA device (a rank's own, else device 0), or None without NVML or a visible GPU.
 
     The parent pins each probe with ``CUDA_VISIBLE_DEVICES=<uuid>``; a child started by hand
     (``python -m autotune.probe.child``) may have integers or abbreviated UUIDs there, resolved the
@@ -30,12 +30,15 @@ def probe_device_uuid() -> str | None:
     import pynvml
 
     from autotune.probe.device import FULL_UUID, resolve_gpu
+    from autotune.probe.ranks import local_rank
 
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    first = (visible or "").split(",")[0].strip()
-    if FULL_UUID.fullmatch(first):
-        return first
-    gpu = resolve_gpu(pynvml, 0, visible, os.environ.get("CUDA_DEVICE_ORDER"))
+    index = local_rank()  # a rank of a multi-process probe reads its own GPU of the probe's
+    entries = (visible or "").split(",")
+    mine = entries[index].strip() if index < len(entries) else ""
+    if FULL_UUID.fullmatch(mine):
+        return mine
+    gpu = resolve_gpu(pynvml, index, visible, os.environ.get("CUDA_DEVICE_ORDER"))
     return gpu.uuid if gpu is not None else None
 
 

@@ -25,7 +25,9 @@ from autotune.units import GiB
 
 # A study's identity: a resumed study must agree on these settings (the memory ceiling may change; the device is
 # checked by name, and by memory for a GPU).
-IDENTITY_KEYS = ("model_config_sha1", "seq_len", "space", "effective_batch_size", "dataset", "peft", "trainer", "baseline")
+IDENTITY_KEYS = ("model_config_sha1", "seq_len", "space", "effective_batch_size", "dataset", "peft", "trainer", "baseline", "nproc_per_probe")
+# What a study made before a key existed measured: its value then (a study without ``nproc_per_probe`` ran one process per probe).
+IDENTITY_DEFAULTS: dict[str, Any] = {"nproc_per_probe": 1}
 
 
 
@@ -204,10 +206,12 @@ def config_hash(config: dict[str, Any]) -> str:
     return hashlib.sha1(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
-def default_study_name(model: str, seq_len: int, device_kind: str, effective_batch_size: int | None, peft: Any = None) -> str:
-    """``<model>-seq<N>-<cpu|cuda>[-ebs<N>][-lora-r<N>]``: what a run without ``--study`` is called."""
+def default_study_name(model: str, seq_len: int, device_kind: str, effective_batch_size: int | None, peft: Any = None,
+                       nproc_per_probe: int = 1) -> str:
+    """``<model>-seq<N>-<cpu|cuda>[x<procs>][-ebs<N>][-lora-r<N>]``: what a run without ``--study`` is called."""
     name = Path(model).name if Path(model).is_dir() else model.replace("/", "--")
-    suffix = f"-ebs{effective_batch_size}" if effective_batch_size else ""
+    suffix = f"x{nproc_per_probe}" if nproc_per_probe > 1 else ""
+    suffix += f"-ebs{effective_batch_size}" if effective_batch_size else ""
     if peft is not None:  # a LoraSettings: the rank is in the name, other adapter settings in the hash if they clash
         suffix += f"-{peft.method}-r{peft.r}"
     return f"{name}-seq{seq_len}-{device_kind}{suffix}"
@@ -229,7 +233,7 @@ def own_study_name(storage: Any, study_name: str, settings: dict[str, Any]) -> s
 def mismatch(existing: dict[str, Any], settings: dict[str, Any], must_match: Sequence[str] = IDENTITY_KEYS) -> str | None:
     """Why a study with ``existing`` settings cannot take a run with ``settings`` (None: it can resume)."""
     for key in must_match:
-        before, now = existing.get(key), settings.get(key)
+        before, now = existing.get(key, IDENTITY_DEFAULTS.get(key)), settings.get(key, IDENTITY_DEFAULTS.get(key))
         if before != now:
             if isinstance(before, dict) and isinstance(now, dict):  # name the part that differs (the trainer's inputs, ...)
                 parts = [k for k in sorted({*before, *now}) if before.get(k) != now.get(k)]
