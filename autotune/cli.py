@@ -277,6 +277,11 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
                    "or flex_attention (default: sdpa)")
     p.add_argument("--liger-kernel", action="store_true",
                    help="assume use_liger_kernel (Liger's fused linear cross-entropy keeps no logits tensor)")
+    p.add_argument("--host-memory", default=None,
+                   help="add DeepSpeed ZeRO-Offload rows, whose offloaded optimizer state (and parameters) must fit in this much "
+                   "host memory, e.g. 120GiB; rows that fit only with offload are marked (default: no offload rows)")
+    p.add_argument("--nproc-per-probe", "--gpus-per-probe", type=int, default=1, dest="nproc_per_probe",
+                   help="GPUs the training is data-parallel over: adds the ZeRO stages, which partition the state over them (default: 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     _add_peft_flags(p, dropout=False)
     p.set_defaults(func=cmd_estimate)
@@ -291,24 +296,35 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     estimate = estimate_table(args.model, seq_len=args.seq_len, device_memory_bytes=parse_bytes(args.device_memory),
                               space=args.space, attn_implementation=args.attn, peft=args.peft, lora_r=args.lora_r,
                               lora_alpha=args.lora_alpha, lora_target_modules=args.lora_target_modules,
-                              use_liger_kernel=args.liger_kernel)
+                              use_liger_kernel=args.liger_kernel,
+                              host_memory_bytes=parse_bytes(args.host_memory) if args.host_memory is not None else None,
+                              nproc=args.nproc_per_probe)
     if args.json:
         print(json.dumps(estimate.to_dict()))
         return 0
     print(f"{estimate.model}: {estimate.num_parameters:,} parameters, seq-len {estimate.seq_len}, attention {estimate.attn_implementation}"
-          f"{', Liger kernels' if estimate.use_liger_kernel else ''}, fits in {format_bytes(estimate.device_memory_bytes)}")
+          f"{', Liger kernels' if estimate.use_liger_kernel else ''}, fits in {format_bytes(estimate.device_memory_bytes)}"
+          + (f" per GPU of {estimate.nproc}" if estimate.nproc > 1 else "")
+          + (f", host {format_bytes(estimate.host_memory_bytes)}" if estimate.host_memory_bytes is not None else ""))
     if estimate.peft is not None:
         quantized = f", {estimate.quantized_parameters:,} of them in 4 bits" if estimate.quantized_parameters else ""
         print(f"{estimate.peft}: {estimate.trainable_parameters:,} trainable ({estimate.trainable_parameters / estimate.num_parameters:.3%}), "
               f"{estimate.num_parameters - estimate.trainable_parameters:,} frozen{quantized}: "
               "no gradient or optimizer state for the frozen ones")
-    header = f"{'precision':<9} {'optim':<20} {'ckpt':<5} {'static':>10} {'per sample':>11} {'largest batch':>14} {'peak at it':>11}"
+    sharded = any(row.sharding != "none" for row in estimate.rows)
+    header = f"{'precision':<9} {'optim':<20} {'ckpt':<5} " + (f"{'sharding':<14} " if sharded else "") + \
+        f"{'static':>10} {'per sample':>11} {'largest batch':>14} {'peak at it':>11}" + (f" {'host':>10}" if sharded else "")
     print(header)
     print("-" * len(header))
     for row in estimate.rows:
         batch = str(row.largest_batch) if row.largest_batch is not None else "none fits"
-        print(f"{row.precision:<9} {row.optim:<20} {'yes' if row.gradient_checkpointing else 'no':<5} {format_bytes(row.static_bytes):>10} "
-              f"{format_bytes(row.activation_bytes_per_sample):>11} {batch:>14} {format_bytes(row.peak_bytes_at_largest):>11}")
+        line = (f"{row.precision:<9} {row.optim:<20} {'yes' if row.gradient_checkpointing else 'no':<5} "
+                + (f"{row.sharding:<14} " if sharded else "")
+                + f"{format_bytes(row.static_bytes):>10} {format_bytes(row.activation_bytes_per_sample):>11} {batch:>14} "
+                f"{format_bytes(row.peak_bytes_at_largest):>11}")
+        if sharded:
+            line += f" {format_bytes(row.host_bytes) if row.host_bytes else '-':>10}" + ("  fits only with offload" if row.only_with_offload else "")
+        print(line)
     return 0
 
 

@@ -168,9 +168,15 @@ def config_overrides(params: TrialParams) -> dict[str, Any]:
     transformers' defaults. Fields whose value would be None (torch's default prefetch, no cache emptying) are left
     out: a command-line flag cannot say None."""
     values: dict[str, Any] = {"bf16": False, "fp16": False, "tf32": False, "torch_compile": False}
-    values.update({name: PARAM_DEFAULTS[name] for name in KNOBS_ADDED_LATER if params.dataloader_num_workers or name not in WORKER_ONLY_PARAMS})
+    values.update({name: PARAM_DEFAULTS[name] for name in KNOBS_ADDED_LATER
+                   if (params.dataloader_num_workers or name not in WORKER_ONLY_PARAMS) and name not in NOT_FIELDS})
     values.update(params.training_arguments_kwargs())
     return {k: v for k, v in values.items() if v is not None}
+
+
+# Dimensions that are not config fields of their own name: ``sharding`` is the ``deepspeed`` dict it makes
+# (autotune.sharding), absent for ``none``.
+NOT_FIELDS = ("sharding",)
 
 
 def as_flags(values: dict[str, Any]) -> list[str]:
@@ -205,6 +211,12 @@ def params_from_config(values: dict[str, Any], base: TrialParams, extra_names: t
         compiled = bool(values.get("torch_compile") or values.get("torch_compile_backend") or values.get("torch_compile_mode"))
         backend, mode = values.get("torch_compile_backend") or "inductor", values.get("torch_compile_mode")
         changes["torch_compile"] = (f"{backend}:{mode}" if mode else backend) if compiled else "off"
+    if isinstance(values.get("deepspeed"), dict):  # a ZeRO config of the user's: the sharding value it is, if one of ours
+        from autotune.sharding import of_deepspeed_config
+
+        found = of_deepspeed_config(values["deepspeed"])
+        if found is not None:
+            changes["sharding"] = found
     defaults = extra_defaults or {}
     for name in extra_names:
         changes[name] = values[name] if name in values else defaults.get(name, base.flat().get(name))

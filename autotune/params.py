@@ -61,6 +61,7 @@ class TrialParams:
     dataloader_pin_memory: bool = True
     dataloader_persistent_workers: bool = False  # only with workers (WORKER_ONLY_PARAMS)
     dataloader_prefetch_factor: int | None = None  # batches loaded ahead per worker; None: torch's 2 (only with workers)
+    sharding: str = "none"  # DeepSpeed ZeRO stage and offload (autotune.sharding.SHARDINGS); "none": the Trainer's DDP
     # Fields of the user's own config class that the space searches beyond the dimensions above (TRL's
     # ``packing``, ``padding_free``...), as sorted (name, value) pairs: read as attributes
     # (``params.packing``), flattened into to_dict() and the Optuna parameters, part of key().
@@ -161,8 +162,12 @@ class TrialParams:
         # The later knobs only where they differ from transformers' default (worker-only ones are at
         # their default without workers: __post_init__), so older exports read unchanged.
         for name in KNOBS_ADDED_LATER:
-            if getattr(self, name) != PARAM_DEFAULTS[name]:
+            if getattr(self, name) != PARAM_DEFAULTS[name] and name != "sharding":
                 kwargs[name] = getattr(self, name)
+        if self.sharding != PARAM_DEFAULTS["sharding"]:  # a TrainingArguments field of its own: deepspeed=
+            from autotune.sharding import training_arguments_kwargs
+
+            kwargs.update(training_arguments_kwargs(self.sharding))
         kwargs.update(self.extra)  # the user's own config fields, by their own names
         return kwargs
 
@@ -199,6 +204,8 @@ class TrialParams:
             parts.append(f"empty-cache/{self.torch_empty_cache_steps}")
         if self.use_liger_kernel:
             parts.append("liger")
+        if self.sharding != "none":
+            parts.append(self.sharding)
         parts.extend(f"{name}={_short_value(value)}" for name, value in self.extra)
         return " ".join(parts)
 
@@ -214,7 +221,7 @@ PARAM_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(TrialPar
 # holding it at its default alone stores it no more, so such studies resume under the same name.
 KNOBS_ADDED_LATER: tuple[str, ...] = (
     "use_liger_kernel", "torch_empty_cache_steps", "dataloader_pin_memory", "dataloader_persistent_workers",
-    "dataloader_prefetch_factor",
+    "dataloader_prefetch_factor", "sharding",
 )
 # Each parameter's default (transformers' own): what a missing key, column or stored value reads as. Read-only.
 PARAM_DEFAULTS: Mapping[str, Any] = MappingProxyType({f.name: f.default for f in dataclasses.fields(TrialParams) if f.name != "extra"})

@@ -101,7 +101,7 @@ class RunPlan:
         """A fresh :class:`autotune.search.memory.MemoryModel` of the plan's model (as trained) at its sequence length."""
         from autotune.search.memory import MemoryModel, ModelDims
 
-        return MemoryModel(ModelDims.from_spec(self.model, counts=self.parameters), self.seq_len)
+        return MemoryModel(ModelDims.from_spec(self.model, counts=self.parameters), self.seq_len, world=self.nproc_per_probe)
 
     def study_attrs(self, command: str | None) -> dict[str, Any]:
         from autotune.models import count_parameters
@@ -266,6 +266,7 @@ def plan_run(options: RunOptions) -> RunPlan:
         # Bounded by the device's memory, not the ceiling: a resumed study may change its ceiling, not its space.
         restricted = restricted.with_batches_up_to(
             largest_lean_batch(model_spec, seq_len, device_info.total_memory_bytes, restricted, counts=user.parameters if user else None))
+    restricted.check_combinations()  # the user's space, before the baseline joins it
     if user is not None and user.trainer_args is not None and not user.takes_attn_flag:
         restricted = _attention_fixed(restricted, user)
     baseline, baseline_source = _baseline(options.baseline, restricted, user, fields, class_name, supports_sdpa)

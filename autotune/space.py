@@ -36,6 +36,7 @@ from autotune.params import (
     uses_tf32,
 )
 from autotune.records import DeviceInfo
+from autotune.sharding import parse as sharding_of
 
 # Optimizers that need an optional package (module name) to run.
 _OPTIM_PACKAGES = {
@@ -157,6 +158,22 @@ class SearchSpace:
             name: values[0] if len(values) == 1 else rng.choice(values)
             for name, values in ((n, self.choices[n]) for n in self.free_params)
         })
+
+    def unrunnable(self, params: TrialParams) -> str | None:
+        """Why a point of this space cannot train though each of its values can (a combination), or None."""
+        from autotune.sharding import incompatible
+
+        return incompatible(params.sharding, params.optim)
+
+    def check_combinations(self) -> None:
+        """Raises UsageError when no combination of the space's sharding and optimizer values can train."""
+        from autotune.sharding import incompatible
+
+        shardings, optims = self.choices.get("sharding", ("none",)), self.choices.get("optim", ())
+        reasons = [incompatible(s, o) for s in shardings for o in optims]
+        if optims and all(reasons):
+            raise UsageError(f"no sharding value of the space can train with its optimizers ({reasons[0]}): "
+                             "add one of them or sharding: none to the space file")
 
     def contains(self, params: TrialParams) -> bool:
         if self.effective_batch_size and params.effective_batch_size != self.effective_batch_size:
@@ -316,6 +333,10 @@ def _unrunnable_reason(
         backend, mode = parse_compile(value)
         if not device.is_cuda and (backend == "cudagraphs" or mode == "reduce-overhead"):
             return "CUDA graphs need a CUDA GPU"
+    elif name == "sharding":
+        engine = sharding_of(value).engine
+        if engine is not None and not package_available(engine):
+            return f"needs the {engine} package (pip install {engine})"
     elif name == "use_liger_kernel" and value:
         if not device.is_cuda:
             return "Liger's Triton kernels need a CUDA GPU"
@@ -513,6 +534,11 @@ def _check_value(param: str, value: Any) -> str | None:
     elif param == "dataloader_prefetch_factor":
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
             return f"{value!r} is not null (torch's default, 2) or a positive number of batches per worker such as 4"
+    elif param == "sharding":
+        try:
+            sharding_of(value)
+        except ValueError as exc:
+            return str(exc)
     elif param == "precision":
         if value not in PRECISIONS:
             return f"{value!r} is not one of {', '.join(PRECISIONS)}"

@@ -25,7 +25,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "autotune"
 # only in `api` (the probe evaluator behind the search loop's Evaluator interface) and `plan` (the plan-time checks).
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("autotune.version", "autotune.errors", "autotune.units", "autotune.interrupts", "autotune.defaults"),
-    ("autotune.params",),
+    ("autotune.params", "autotune.sharding"),
     ("autotune.records", "autotune.config_fields"),
     ("autotune.space", "autotune.models", "autotune.data", "autotune.lora"),
     ("autotune.storage",),

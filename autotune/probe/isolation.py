@@ -631,7 +631,8 @@ def run_isolated(
         # even when the child is killed before it can remove its own. The child knows the driver (to die
         # with it) and its own deadline.
         env = {**env, SCRATCH_ENV: str(folder), RUN_CACHE_ENV: str(run_cache_dir()), DRIVER_PID_ENV: str(os.getpid()), DEADLINE_ENV: f"{timeout_s:.0f}"}
-        if spec.nproc > 1:  # torchrun starts fresh interpreters, one per rank
+        as_ranks = ranks.launched_as_ranks(spec)
+        if as_ranks:  # torchrun starts fresh interpreters, one per rank
             mode = "cold"
         if mode == "forkserver" and not start_server():  # once per process; not charged to this trial
             mode = "cold"
@@ -641,7 +642,7 @@ def run_isolated(
         start_s = time.monotonic()
         try:
             child: _Child
-            if spec.nproc > 1:  # torchrun, starting that many ranks of the probe (autotune.probe.ranks)
+            if as_ranks:  # torchrun, starting that many ranks of the probe (autotune.probe.ranks)
                 child = _ColdChild(spec_path, result_path, log_path, env, python,
                                    argv=ranks.launch_command(python, spec.nproc, spec_path, result_path))
             else:

@@ -19,7 +19,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from autotune.records import ProbeResult, ProbeStatus
+from autotune.records import ProbeResult, ProbeSpec, ProbeStatus
 
 FAILED_RANK_EXIT_CODE = 3  # a rank whose probe failed (its result file says how); torchrun then ends the others
 # Which outcome of several ranks is the probe's: the first of these any rank reported. An OOM on any rank
@@ -41,6 +41,13 @@ DISTRIBUTED_ENV_PREFIXES = ("TORCHELASTIC_", "OMPI_COMM_WORLD_", "MV2_COMM_WORLD
 
 def is_distributed_var(name: str) -> bool:
     return name in DISTRIBUTED_ENV_VARS or name.startswith(DISTRIBUTED_ENV_PREFIXES)
+
+
+def launched_as_ranks(spec: ProbeSpec) -> bool:
+    """Whether a probe runs under torchrun: several processes, or a sharding engine that wants a process group (DeepSpeed)."""
+    from autotune.sharding import needs_process_group
+
+    return spec.nproc > 1 or needs_process_group(spec.params.sharding)
 
 
 def this_rank() -> tuple[int, int]:

@@ -14,7 +14,8 @@ from typing import Any
 
 from autotune.errors import UsageError
 from autotune.params import ATTN_IMPLEMENTATIONS, TrialParams
-from autotune.search.memory import MemoryModel, ModelDims, activation_bytes_per_sample, static_memory
+from autotune.search.memory import MemoryModel, ModelDims, activation_bytes_per_sample, host_state_bytes, static_memory
+from autotune.sharding import SHARDINGS
 
 
 @dataclass(frozen=True)
@@ -29,8 +30,11 @@ class EstimateRow:
     gradients_bytes: int
     optimizer_bytes: int
     activation_bytes_per_sample: int
-    largest_batch: int | None  # of the space's batch sizes; None if not even the smallest fits
+    largest_batch: int | None  # of the space's batch sizes; None if not even the smallest fits (on the device, or the host)
     peak_bytes_at_largest: int | None
+    sharding: str = "none"  # autotune.sharding.SHARDINGS: ZeRO stage and offload
+    host_bytes: int = 0  # host memory of the offloaded state (all ranks together)
+    only_with_offload: bool = False  # no batch fits without offloading at this precision, optimizer and checkpointing
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,8 @@ class MemoryEstimate:
     trainable_parameters: int | None = None
     quantized_parameters: int = 0
     use_liger_kernel: bool = False  # --liger-kernel: Liger's fused cross-entropy assumed (no logits tensor)
+    host_memory_bytes: int | None = None  # --host-memory: what the offloaded state must fit in; None: not asked (no offload rows)
+    nproc: int = 1  # ranks the state is partitioned over (--nproc-per-probe)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -64,10 +70,15 @@ def estimate_table(
     lora_alpha: float | None = None,
     lora_target_modules: str | list[str] | None = None,
     use_liger_kernel: bool = False,
+    host_memory_bytes: int | None = None,
+    nproc: int = 1,
 ) -> MemoryEstimate:
     """Predicted memory per precision x optimizer x checkpointing of ``space``, and the largest batch that fits.
 
     ``use_liger_kernel``: with Liger's kernels, whose fused linear cross-entropy keeps no logits.
+
+    ``host_memory_bytes``: add the rows of DeepSpeed ZeRO's offload (and, over ``nproc`` > 1 ranks, its stages), whose
+    offloaded state must fit in this much host memory; a row that fits only with offload is marked so.
 
     ``peft``: ``lora`` or ``qlora`` with its adapters (:mod:`autotune.lora`): frozen base weights carry
     no gradient and no optimizer state (QLoRA's are 4-bit). A QLoRA estimate needs no GPU.
@@ -93,21 +104,39 @@ def estimate_table(
     lora = lora_settings(peft, r=lora_r, alpha=lora_alpha, dropout=None, target_modules=lora_target_modules, device=None, runtime=False)
     counts = parameter_counts(spec, lora) if lora is not None else None
     dims = ModelDims.from_spec(spec, counts=counts)
-    memory = MemoryModel(dims, seq_len)
+    if nproc < 1:
+        raise UsageError(f"--nproc-per-probe must be at least 1, got {nproc}")
+    if host_memory_bytes is not None and host_memory_bytes <= 0:
+        raise UsageError("--host-memory must be positive, e.g. 120GiB")
+    memory = MemoryModel(dims, seq_len, world=nproc)
     batch_sizes = loaded.choices["per_device_train_batch_size"]
+    shardings = ["none"]
+    if host_memory_bytes is not None or nproc > 1:  # a stage without offload partitions nothing over one rank
+        shardings += [s.name for s in SHARDINGS.values() if s.stage and (nproc > 1 or s.offload_optimizer)
+                      and (host_memory_bytes is not None or not s.offload_optimizer)]
     rows = []
     for precision in loaded.choices["precision"]:
         for optim in loaded.choices["optim"]:
             for ckpt in (False, True):
-                params = TrialParams(precision=precision, optim=optim, gradient_checkpointing=ckpt, attn_implementation=attn_implementation,
-                                     use_liger_kernel=use_liger_kernel)
-                static = static_memory(dims, precision, optim)
-                largest = memory.largest_batch_that_fits(params, batch_sizes, device_memory_bytes)
-                peak = memory.predict(dataclasses.replace(params, per_device_train_batch_size=largest)) if largest else None
-                rows.append(EstimateRow(
-                    precision, optim, ckpt, static.total_bytes, static.weights_bytes, static.gradients_bytes,
-                    static.optimizer_bytes, activation_bytes_per_sample(dims, params, seq_len), largest, peak,
-                ))
+                fits_without_offload = False
+                for sharding in shardings:
+                    params = TrialParams(precision=precision, optim=optim, gradient_checkpointing=ckpt, attn_implementation=attn_implementation,
+                                         use_liger_kernel=use_liger_kernel, sharding=sharding)
+                    static = static_memory(dims, precision, optim, sharding, nproc)
+                    host = host_state_bytes(dims, params)
+                    largest = memory.largest_batch_that_fits(params, batch_sizes, device_memory_bytes)
+                    if host_memory_bytes is not None and host > host_memory_bytes:
+                        largest = None  # the offloaded state does not fit on the host
+                    offload = SHARDINGS[sharding].offload_optimizer
+                    fits_without_offload |= largest is not None and not offload
+                    peak = memory.predict(dataclasses.replace(params, per_device_train_batch_size=largest)) if largest else None
+                    rows.append(EstimateRow(
+                        precision, optim, ckpt, static.total_bytes, static.weights_bytes, static.gradients_bytes,
+                        static.optimizer_bytes, activation_bytes_per_sample(dims, params, seq_len), largest, peak,
+                        sharding=sharding, host_bytes=host,
+                        only_with_offload=offload and largest is not None and not fits_without_offload,
+                    ))
     return MemoryEstimate(spec.name, dims.num_parameters, seq_len, attn_implementation, device_memory_bytes, tuple(rows),
                           peft=lora.describe() if lora else None, trainable_parameters=counts.trainable if counts else None,
-                          quantized_parameters=counts.quantized if counts else 0, use_liger_kernel=use_liger_kernel)
+                          quantized_parameters=counts.quantized if counts else 0, use_liger_kernel=use_liger_kernel,
+                          host_memory_bytes=host_memory_bytes, nproc=nproc)

@@ -29,6 +29,7 @@ EXPERT_PREFERENCES: dict[str, tuple[Any, ...]] = {
     "gradient_checkpointing": (False,),
     "gradient_accumulation_steps": (1,),
     "use_liger_kernel": (False,),
+    "sharding": ("none",),
 }
 
 
@@ -76,6 +77,9 @@ MAX_FALLBACK_PROBES = 6  # neighbours of a failed expert configuration measured 
 # nothing running starts too (tried one at a time, on the design draws the first fits sat at batch 1
 # without checkpointing, and the memory model read them as room for batch 64: an out-of-memory run).
 FRUGAL_CHANGES: dict[str, tuple[Any, ...]] = {"gradient_checkpointing": (True,), "optim": ("adafactor", "adamw_bnb_8bit")}
+# Where even that does not fit, DeepSpeed's ZeRO-Offload (the optimizer state, then the parameters too, on the host), with
+# the expert's optimizer: the next step the texts this tool grew from name when one GPU's memory is not enough.
+OFFLOAD_CHANGES = ("zero2_offload", "zero3_offload")
 # The dimensions a crash or a divergence may come from, each stepped one place down its preferences.
 SUSPECTS = ("precision", "attn_implementation", "optim", "torch_compile")
 
@@ -137,6 +141,10 @@ def _neighbours(space: SearchSpace, node: TrialParams, result: ProbeResult | Non
                       if any(v in space.choices.get(name, ()) for v in values)}
             if any(getattr(node, name) != value for name, value in frugal.items()):
                 found.append(space.with_changes(node, **frugal))
+            elif (offload := next((v for v in OFFLOAD_CHANGES if v in space.choices.get("sharding", ()) and v != node.sharding), None)):
+                optim = next((v for v in EXPERT_PREFERENCES["optim"] if v in space.choices["optim"]), node.optim)
+                found.append(_fitted(space, space.with_changes(node, sharding=offload, optim=optim, gradient_checkpointing=False),
+                                     max(space.choices["per_device_train_batch_size"]), memory, ceiling_bytes))
     if crashed:
         order = list(SUSPECTS)
         if result is not None and result.status is ProbeStatus.DIVERGED:

@@ -496,7 +496,7 @@ def run_search(
                 predicted = memory.predict(params)
                 if predicted is not None:
                     writing.record_predicted_peak(trial, predicted)
-                reason = strategy.prune(params, state) if strategy is not None else None
+                reason = space.unrunnable(params) or (strategy.prune(params, state) if strategy is not None else None)
                 if reason is not None:
                     synced.seen[key] = writing.record_pruned(study, trial, params, reason, predicted, settings.memory_ceiling_bytes)
                     open_trial = None

@@ -51,6 +51,7 @@ import numpy as np
 
 from autotune.params import TrialParams, mixed_precision_dtype
 from autotune.records import ProbeResult, ProbeStatus
+from autotune.sharding import device_shares, host_shares
 from autotune.units import GiB
 
 # Bytes per parameter of optimizer state, by substring of the TrainingArguments optim name (first match),
@@ -89,7 +90,7 @@ COMPILE_ACTIVATION_FACTOR = 0.85  # inductor fuses pointwise ops, so fewer inter
 # Without model dims (a replay): the share of activations Liger's fused cross-entropy removes, the logits
 # being some tenths of them at common vocabularies and widths; the calibration fits the rest.
 LIGER_ACTIVATION_FACTOR = 0.7
-GROUP_KEYS = ("precision", "optim", "torch_compile", "attn_implementation", "gradient_checkpointing", "use_liger_kernel")
+GROUP_KEYS = ("precision", "optim", "torch_compile", "attn_implementation", "gradient_checkpointing", "use_liger_kernel", "sharding")
 PRUNE_MARGIN = 0.05  # prune only when predicted over the ceiling by more than this fraction
 UNCALIBRATED_PRUNE_MARGIN = 0.25  # the same for a group never measured, predicted from generic factors
 
@@ -199,8 +200,10 @@ def optimizer_state_bytes(optim: str, num_parameters: int, hidden_size: int, par
     return int(state)
 
 
-def static_memory(dims: ModelDims, precision: str, optim: str) -> StaticMemory:
-    """Weights, gradients, optimizer state and CUDA context for one precision and optimizer.
+def static_memory(dims: ModelDims, precision: str, optim: str, sharding: str = "none", world: int = 1) -> StaticMemory:
+    """Weights, gradients, optimizer state and CUDA context on one device for one precision and optimizer, less what
+    ``sharding`` partitions over ``world`` ranks or moves to the host (:func:`autotune.sharding.device_shares`;
+    :func:`host_state_bytes` is what the host holds).
 
     Frozen parameters (a LoRA base) carry no gradient and no optimizer state; only the trainable
     ones (the adapters) do. Parameters are float32 unless ``dims`` says how the user's model stores
@@ -208,21 +211,43 @@ def static_memory(dims: ModelDims, precision: str, optim: str) -> StaticMemory:
     base weights take ~0.52 B/param and no autocast copy (bitsandbytes dequantizes them layer by
     layer into the compute dtype).
     """
+    weights, gradients, optimizer = _state_bytes(dims, precision, optim, sharding)
+    if sharding != "none":
+        keep_weights, keep_gradients, keep_optimizer = device_shares(sharding, world)
+        weights, gradients, optimizer = int(weights * keep_weights), int(gradients * keep_gradients), int(optimizer * keep_optimizer)
+    return StaticMemory(weights_bytes=weights, gradients_bytes=gradients, optimizer_bytes=optimizer, overhead_bytes=CUDA_CONTEXT_BYTES)
+
+
+def _state_bytes(dims: ModelDims, precision: str, optim: str, sharding: str) -> tuple[int, int, int]:
+    """The whole model's weights, gradients and optimizer state, unpartitioned, as the training holds them."""
     q = dims.quantized_parameters
     p = dims.num_parameters - q
     trainable = dims.trainable
     stored = 4 * p if dims.parameter_bytes is None else dims.parameter_bytes  # float32 unless counted
     fp32 = p if dims.fp32_parameters is None else dims.fp32_parameters
-    weights = stored + (2 * fp32 if mixed_precision_dtype(precision) else 0)  # + autocast's 16-bit copies of fp32 weights
+    amp = mixed_precision_dtype(precision) is not None
+    weights = stored + (2 * fp32 if amp else 0)  # + autocast's 16-bit copies of fp32 weights
     weights += int(q * QLORA_BYTES_PER_QUANTIZED_PARAM)
     # Gradients have the parameters' dtype (fp32 under AMP too), and so does the state of torch's optimizers.
     gradients = 4 * trainable if dims.trainable_bytes is None else dims.trainable_bytes
-    return StaticMemory(
-        weights_bytes=weights,
-        gradients_bytes=gradients,
-        optimizer_bytes=optimizer_state_bytes(optim, trainable, dims.hidden_size, dims.trainable_bytes),
-        overhead_bytes=CUDA_CONTEXT_BYTES,
-    )
+    optimizer = optimizer_state_bytes(optim, trainable, dims.hidden_size, dims.trainable_bytes)
+    if sharding != "none" and amp:
+        # DeepSpeed's mixed precision holds the module and its gradients in 16 bits and an fp32 master copy of the
+        # trainable weights with the optimizer state: 2 + 2 + K bytes per parameter (Rajbhandari et al. 2020, "ZeRO", sec. 3.1).
+        weights -= 4 * fp32
+        gradients //= 2
+        optimizer += 4 * trainable
+    return weights, gradients, optimizer
+
+
+def host_state_bytes(dims: ModelDims, params: TrialParams) -> int:
+    """Host memory the training state takes under ``params.sharding`` (all ranks together): the offloaded optimizer
+    state and parameters; 0 without offload (the processes' own host memory, a few GiB each, is not modelled)."""
+    if params.sharding == "none":
+        return 0
+    weights, _, optimizer = _state_bytes(dims, params.precision, params.optim, params.sharding)
+    keep_weights, keep_optimizer = host_shares(params.sharding)
+    return int(weights * keep_weights + optimizer * keep_optimizer)
 
 
 def activation_bytes_per_sample(dims: ModelDims, params: TrialParams, seq_len: int) -> int:
@@ -249,23 +274,25 @@ def activation_bytes_per_sample(dims: ModelDims, params: TrialParams, seq_len: i
     return int(layer_total + logits)
 
 
-def predict_peak_bytes(dims: ModelDims, params: TrialParams, seq_len: int) -> int:
-    """Analytic peak memory of ``params`` (no calibration)."""
-    static = static_memory(dims, params.precision, params.optim).total_bytes
+def predict_peak_bytes(dims: ModelDims, params: TrialParams, seq_len: int, world: int = 1) -> int:
+    """Analytic peak memory of ``params`` on one device of ``world`` (no calibration)."""
+    static = static_memory(dims, params.precision, params.optim, params.sharding, world).total_bytes
     return static + params.per_device_train_batch_size * activation_bytes_per_sample(dims, params, seq_len)
 
 
 # ------------------------------------------------------------------------------ generic factors
 
 
-def _generic_features(params: TrialParams) -> tuple[float, float]:
+def _generic_features(params: TrialParams, world: int = 1) -> tuple[float, float]:
     """Relative static bytes per parameter and activation units per sample, without model dims.
 
     Used when no model config is known (a replay table): the two scales are then fitted from
     the measurements, and these factors only say how the groups differ from one another.
     """
     amp = mixed_precision_dtype(params.precision) is not None
-    static = 4 + (2 if amp else 0) + 4 + optimizer_state_bytes(params.optim, 1000, 1000) / 1000
+    shares = device_shares(params.sharding, world)
+    parts = (4 + (2 if amp else 0), 4, optimizer_state_bytes(params.optim, 1000, 1000) / 1000)  # weights, gradients, optimizer
+    static = sum(part * share for part, share in zip(parts, shares))
     act = 1.0 if amp else 2.0
     if params.attn_implementation == "eager":
         act *= 1.5
@@ -320,6 +347,7 @@ class MemoryModel:
 
     dims: ModelDims | None = None
     seq_len: int = 512
+    world: int = 1  # ranks per probe: a sharding partitions the state over them
     oom_floor_bytes: int = 0  # an out-of-memory probe's peak was above this (the ceiling: probes enforce it)
     _groups: dict[MemoryGroup, _GroupData] = field(default_factory=dict)
     _scales: tuple[float, float] | None = None  # fitted (static, activation) scales
@@ -352,8 +380,8 @@ class MemoryModel:
 
     def _features(self, params: TrialParams) -> tuple[float, float]:
         if self.dims is None:
-            return _generic_features(params)
-        static = static_memory(self.dims, params.precision, params.optim).total_bytes
+            return _generic_features(params, self.world)
+        static = static_memory(self.dims, params.precision, params.optim, params.sharding, self.world).total_bytes
         return float(static), float(activation_bytes_per_sample(self.dims, params, self.seq_len))
 
     def _fitted_scales(self) -> tuple[float, float] | None:

@@ -61,6 +61,12 @@ _OVERHEAD_PRIOR: dict[str, tuple[dict[Any, float], float, float]] = {  # dim: (m
 _PER_SAMPLE_SD = {"precision": 0.35, "attn_implementation": 0.12, "torch_compile": 0.15, "gradient_checkpointing": 0.1}
 _STEP_PRIOR = {"adamw_torch": 0.6, "adamw_torch_fused": 0.0, "adafactor": 0.5, "adamw_bnb_8bit": 0.0}
 _STEP_SD = 0.5
+# Sharding (autotune.sharding): its collectives and host work, before any is measured (log seconds, wide). The optimizer
+# step pays the partitioned update's gathers, and an offloaded one runs on the host; a micro-step under stage 3
+# gathers each layer's parameters in its forward and backward (from the host when they are offloaded).
+_SHARDING_STEP_PRIOR = {"none": 0.0, "zero1": 0.1, "zero2": 0.2, "zero3": 0.3, "zero2_offload": 1.0, "zero3_offload": 1.5}
+_SHARDING_OVERHEAD_PRIOR = {"zero3": 0.5, "zero3_offload": 1.5}
+_SHARDING_SD = 1.0
 _OVERHEAD_AT = math.log(2.0)  # overhead / per-sample time at the base values (fp32, eager): saturation near batch 2
 _STEP_AT = math.log(0.7)  # a fused AdamW step / one sample's work at the base values
 _STEP_TIME_SD = {SCALE: 3.0, "overhead": 1.5, "step": 1.5}
@@ -134,6 +140,9 @@ def step_time_surrogate(grid: Grid, accum_dims: tuple[str, ...], accum_values: l
         _value_blocks(terms["per_sample"], dim, "p:", _lookup(per_sample, 0.0), _PER_SAMPLE_SD[dim], _WITHIN_KIND_SD)
     if len(grid.values["optim"]) >= 2:
         _value_blocks(terms["step"], "optim", "s:", _lookup(_STEP_PRIOR, 0.3), _STEP_SD, _STEP_SD)
+    if "sharding" in grid.names and len(grid.values["sharding"]) >= 2:
+        _value_blocks(terms["step"], "sharding", "s:", _lookup(_SHARDING_STEP_PRIOR, 0.5), _SHARDING_SD, _SHARDING_SD)
+        _value_blocks(terms["overhead"], "sharding", "o:", _lookup(_SHARDING_OVERHEAD_PRIOR, 0.0), _SHARDING_SD, _SHARDING_SD)
     for dim in grid.space.config_fields:  # the user's own config fields (TRL's packing...): no prior but a wide one
         if len(grid.values[dim]) >= 2:
             _value_blocks(terms["per_sample"], dim, "p:", _lookup({}, 0.0), _USER_FIELD_SD, _USER_FIELD_SD)

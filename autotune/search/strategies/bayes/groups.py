@@ -19,6 +19,7 @@ from autotune.params import TrialParams, mixed_precision_dtype
 from autotune.records import Probe, ProbeStatus
 from autotune.search.memory import GROUP_KEYS, needs_no_less_memory, optimizer_state_bytes
 from autotune.search.strategies.surrogate import ACCUM, BATCH, Grid
+from autotune.sharding import needs_no_less_device_memory
 
 
 def precision_class(value: Any) -> str:
@@ -38,6 +39,8 @@ def _needs_no_less(dim: str, x: Any, y: Any) -> bool:
         return bool(y) and not bool(x)
     if dim == "attn_implementation":
         return x == "eager"  # the only kernel that stores the attention scores
+    if dim == "sharding":
+        return needs_no_less_device_memory(str(x), str(y))
     return False  # compile modes: no order that always holds
 
 
@@ -48,7 +51,7 @@ def _activation_ratio(dim: str, x: Any, y: Any) -> float:
         return 1.0
     if dim == "precision":
         return 1.0 if precision_class(x) == precision_class(y) else 0.0
-    if dim == "optim":
+    if dim in ("optim", "sharding"):  # the same activations; the static part orders as the state does
         return 1.0 if _needs_no_less(dim, x, y) else 0.0
     if dim == "attn_implementation":
         return 1.0 if x == "eager" else (0.3 if y == "eager" else 1.0)  # fused kernels store alike
