@@ -73,6 +73,7 @@ def plan_evaluator(plan: RunPlan) -> Evaluator:
         trainer_attn_flag=bool(plan.trainer and plan.trainer.takes_attn_flag),
         objective_tokens_per_sample=plan.tokens_per_sample,
         nproc=plan.nproc_per_probe,
+        host_memory_ceiling_bytes=plan.host_memory_ceiling_bytes,
     )
 
 

@@ -105,6 +105,9 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nproc-per-probe", "--gpus-per-probe", type=int, default=1, dest="nproc_per_probe",
                    help="processes per probe, one per GPU from --device on, started by torchrun, trained data-parallel (DDP); "
                    "on a CPU each gets its share of the cores and memory (default: 1)")
+    p.add_argument("--host-memory-ceiling", default=None,
+                   help="GPU runs: host memory the probe's processes may hold together, e.g. 120GiB or 0.8 (default: 95%% of this "
+                   "machine's); offloaded state must fit in it")
     p.add_argument("--study", default=None, help="study name; the same name resumes (default: from model/seq-len/device)")
     p.add_argument("--output", "-o", default=None, help="write the best configuration as TrainingArguments JSON")
     p.add_argument("--report-dir", default="reports", help="where <study>.html goes (default: reports)")

@@ -83,6 +83,10 @@ class RunOptions:
         objective: ``tokens`` (real, non-padding tokens per second; the default with ``trainer``, whose
             batches' lengths vary) or ``samples`` (sequences per second; the default otherwise, where
             every sequence has ``seq_len`` tokens).
+        host_memory_ceiling: on a GPU run, the host memory a probe's processes may hold together (their peak resident
+            memory, summed): ``"120GiB"`` or a fraction of this machine's memory; default 95% of it. A probe over it
+            does not fit, and an offloading ``sharding`` value whose state cannot fit in it is dropped before the search.
+            On a CPU run ``memory_ceiling`` is the host's.
         nproc_per_probe: processes per probe, one per GPU (``--device cuda:N``: GPUs N, N+1, ...), started by
             ``torchrun`` and trained data-parallel by the Trainer (DDP; gloo on the CPU, where each process gets its share
             of the cores and of the memory ceiling). Throughput is the sum over the processes, the peak the largest; the
@@ -119,6 +123,7 @@ class RunOptions:
     baseline: str | dict[str, Any] | None = None
     objective: str | None = None
     nproc_per_probe: int = 1
+    host_memory_ceiling: str | float | None = None
 
     def __post_init__(self) -> None:
         check_option_types(self)

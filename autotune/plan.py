@@ -70,6 +70,7 @@ class RunPlan:
     started_s: float | None = None  # time.monotonic() when planning began: the budget counts from there
     warnings: tuple[str, ...] = ()  # what the plan tells before any probe ran (autotune.probe.duration), one line each
     nproc_per_probe: int = 1  # processes per probe (torchrun ranks, one GPU each): part of the study's identity
+    host_memory_ceiling_bytes: int | None = None  # a GPU run's host memory for the probe's processes together; None on a CPU
 
     @property
     def tokens_per_sample(self) -> float | None:
@@ -126,6 +127,7 @@ class RunPlan:
             "expert": self.expert.to_dict() if self.expert else None,
             "objective": self.objective,
             "nproc_per_probe": self.nproc_per_probe,
+            "host_memory_ceiling_bytes": self.host_memory_ceiling_bytes,
             "baseline_source": self.baseline_source,
             "config_class": self.trainer.config_class if self.trainer else "transformers.training_args.TrainingArguments",
             "user_config": self.trainer.user_config if self.trainer else None,
@@ -247,6 +249,7 @@ def plan_run(options: RunOptions) -> RunPlan:
                 f"--memory-ceiling {format_bytes(ceiling)} is above the {format_bytes(device_info.total_memory_bytes)} "
                 f"of {device_info.name}: use at most {format_bytes(device_info.total_memory_bytes)} or a fraction like 0.9"
             )
+    host_ceiling = _host_ceiling(options, device_info)
     fields, class_name = _config_class_fields(user)
     if isinstance(options.space, SearchSpace):
         loaded = options.space
@@ -267,6 +270,8 @@ def plan_run(options: RunOptions) -> RunPlan:
         restricted = restricted.with_batches_up_to(
             largest_lean_batch(model_spec, seq_len, device_info.total_memory_bytes, restricted, counts=user.parameters if user else None))
     restricted.check_combinations()  # the user's space, before the baseline joins it
+    if host_ceiling is not None:
+        restricted = _offload_within(restricted, model_spec, user.parameters if user else None, host_ceiling)
     if user is not None and user.trainer_args is not None and not user.takes_attn_flag:
         restricted = _attention_fixed(restricted, user)
     baseline, baseline_source = _baseline(options.baseline, restricted, user, fields, class_name, supports_sdpa)
@@ -309,6 +314,7 @@ def plan_run(options: RunOptions) -> RunPlan:
         baseline_source=baseline_source,
         started_s=planned_s,
         nproc_per_probe=options.nproc_per_probe,
+        host_memory_ceiling_bytes=host_ceiling,
     )
     plan = dataclasses.replace(plan, expert=_expert(plan), warnings=_plan_warnings(plan))
     if gpus and not isinstance(plan.storage, str):
@@ -514,6 +520,51 @@ def largest_lean_batch(model: Any, seq_len: int, memory_bytes: int, space: Searc
                        gradient_checkpointing=True in choices["gradient_checkpointing"],
                        use_liger_kernel=True in choices.get("use_liger_kernel", ()))
     return MemoryModel(dims, seq_len).largest_batch_that_fits(lean, space.batch_growth(), memory_bytes) or 0
+
+
+def _host_ceiling(options: RunOptions, device: DeviceInfo) -> int | None:
+    """A GPU run's host-memory ceiling (default 95% of this machine's memory); None on a CPU, whose --memory-ceiling is the host's.
+
+    Raises:
+        UsageError/DeviceError: given on a CPU run, or over this machine's memory.
+    """
+    import psutil
+
+    if not device.is_cuda:
+        if options.host_memory_ceiling is not None:
+            raise UsageError("--host-memory-ceiling is for GPU runs: on a CPU run --memory-ceiling is the host's; drop it")
+        return None
+    total = int(psutil.virtual_memory().total)
+    if options.host_memory_ceiling is None:
+        return int(CEILING_SAFETY_FRACTION * total)
+    ceiling = parse_bytes(options.host_memory_ceiling, total_bytes=total)
+    if ceiling > total:
+        raise DeviceError(f"--host-memory-ceiling {format_bytes(ceiling)} is above this machine's {format_bytes(total)}: "
+                          f"use at most {format_bytes(total)} or a fraction like 0.9")
+    return ceiling
+
+
+def _offload_within(space: SearchSpace, model: Any, counts: Any, host_ceiling: int) -> SearchSpace:
+    """The space without the offloading sharding values whose state (at the space's least demanding precision and
+    optimizer that value runs) cannot fit in ``host_ceiling``.
+
+    Raises:
+        UsageError: no sharding value left (offload alone, without the host memory for it).
+    """
+    from autotune.search.memory import ModelDims, host_state_bytes
+    from autotune.sharding import incompatible
+
+    if model is None or not any(v != "none" for v in space.choices.get("sharding", ())):
+        return space
+    dims = ModelDims.from_spec(model, counts=counts)
+    reasons = {}
+    for value in space.choices["sharding"]:
+        needs = [host_state_bytes(dims, TrialParams(precision=p, optim=o, sharding=value))
+                 for p in space.choices["precision"] for o in space.choices["optim"] if incompatible(value, o) is None]
+        if needs and min(needs) > host_ceiling:
+            reasons[value] = (f"its offloaded state needs {format_bytes(min(needs))} of host memory, over the "
+                              f"{format_bytes(host_ceiling)} host ceiling (--host-memory-ceiling)")
+    return space.without("sharding", reasons) if reasons else space
 
 
 def _check_nproc(options: RunOptions, device: DeviceInfo, gpus: list[int] | None) -> None:

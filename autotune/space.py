@@ -159,6 +159,19 @@ class SearchSpace:
             for name, values in ((n, self.choices[n]) for n in self.free_params)
         })
 
+    def without(self, name: str, reasons: dict[Any, str]) -> SearchSpace:
+        """The space without these values of ``name`` (value -> why), each kept as :class:`Dropped`.
+
+        Raises:
+            UsageError: no value of ``name`` would be left.
+        """
+        kept = tuple(v for v in self.choices[name] if v not in reasons)
+        dropped = (*self.dropped, *(Dropped(name, v, reason) for v, reason in reasons.items()))
+        if not kept:
+            raise UsageError(f"no value of {name} can run here ({'; '.join(str(d) for d in dropped if d.param == name)}): "
+                             "add a runnable value to the space file")
+        return SearchSpace(self.name, {**self.choices, name: kept}, self.effective_batch_size, dropped, self.grow_batches_by)
+
     def unrunnable(self, params: TrialParams) -> str | None:
         """Why a point of this space cannot train though each of its values can (a combination), or None."""
         from autotune.sharding import incompatible

@@ -121,7 +121,7 @@ def options_for_worker(
         peft=peft.get("method"), lora_r=peft.get("r"), lora_alpha=peft.get("alpha"), lora_dropout=peft.get("dropout"),
         lora_target_modules=list(targets) if targets else None,
         trainer_args=trainer_args, objective=objective, baseline=_baseline_fields(settings.get("baseline")),
-        nproc_per_probe=int(settings.get("nproc_per_probe") or 1),
+        nproc_per_probe=int(settings.get("nproc_per_probe") or 1),  # the host-memory ceiling is the worker machine's own
     )
 
 

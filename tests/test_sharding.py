@@ -174,3 +174,47 @@ def test_a_cpu_run_measures_two_sharding_values_end_to_end(tmp_path) -> None:
     found = set(ok["sharding"])
     assert "none" in found and found & {"zero2", "zero3"}  # the baseline (the Trainer's DDP) and a ZeRO stage, both measured
     assert result.settings.get("nproc_per_probe") == 2
+
+
+# ---- the host-memory ceiling ------------------------------------------------------------------------
+
+
+def test_offload_whose_state_cannot_fit_in_the_host_ceiling_is_dropped_and_alone_refused(fake_gpu, tmp_path, monkeypatch) -> None:
+    import types
+
+    import psutil
+    import yaml
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(total=128 * GiB))  # the GPU machine's host
+
+    def space_file(values: list[str]) -> str:
+        path = tmp_path / f"{'-'.join(values)}.yaml"
+        path.write_text(yaml.safe_dump({"precision": ["bf16"], "optim": ["adamw_torch_fused"], "sharding": values}))
+        return str(path)
+
+    # polyglot-ko-5.8b, bf16 AdamW: ZeRO-Offload puts 12 B/param (66 GiB) on the host, stage 3's offload 14 B/param.
+    plan = plan_run(RunOptions(model="polyglot-ko-5.8b", space=space_file(["none", "zero2_offload", "zero3_offload"]), device=fake_gpu,
+                               seq_len=512, n_trials=1, storage="sqlite:///:memory:", host_memory_ceiling="70GiB"))
+    assert plan.host_memory_ceiling_bytes == 70 * GiB
+    assert plan.space.choices["sharding"] == ("none", "zero2_offload")
+    reason = next(d.reason for d in plan.space.dropped if d.param == "sharding")
+    assert "needs 76.73 GiB of host memory, over the 70.00 GiB host ceiling (--host-memory-ceiling)" in reason
+    with pytest.raises(UsageError, match="no value of sharding can run here.*host ceiling") as caught:
+        plan_run(RunOptions(model="polyglot-ko-5.8b", space=space_file(["zero2_offload"]), device=fake_gpu, seq_len=512, n_trials=1,
+                            storage="sqlite:///:memory:", host_memory_ceiling="32GiB"))
+    assert caught.value.exit_code == EXIT_USAGE
+    with pytest.raises(UsageError, match="--host-memory-ceiling is for GPU runs"):
+        plan_run(RunOptions(model="tiny-gptneox", space="quick", device="cpu", seq_len=32, n_trials=1, storage="sqlite:///:memory:",
+                            host_memory_ceiling="8GiB"))
+
+
+def test_a_probe_over_the_host_ceiling_does_not_fit() -> None:
+    from autotune.probe.evaluator import over_host_ceiling
+    from autotune.records import ProbeStatus
+
+    ok = ProbeResult(status="ok", samples_per_s=10.0, peak_mem_bytes=20 * GiB, host_peak_rss_bytes=90 * GiB, wall_s=60.0)
+    over = over_host_ceiling(ok, 80 * GiB)
+    assert over.status is ProbeStatus.OOM and over.samples_per_s is None
+    assert over.error == "host memory: the probe's processes peaked at 90.00 GiB, over the 80.00 GiB host ceiling"
+    assert over.host_peak_rss_bytes == 90 * GiB and over.wall_s == 60.0
+    assert over_host_ceiling(ok, 100 * GiB) is ok and over_host_ceiling(ok, None) is ok

@@ -23,7 +23,7 @@ from autotune.probe.isolation import (
     run_isolated,
     start_server,
 )
-from autotune.records import ProbeResult, ProbeSpec
+from autotune.records import ProbeResult, ProbeSpec, ProbeStatus
 
 # torch.compile compiles on the first step and may recompile on the second (optimizer, grad
 # accumulation boundaries): give compiled configurations two more steps before timing.
@@ -57,6 +57,7 @@ class ProbeEvaluator:
     trainer_attn_flag: bool = False  # ProbeSpec.trainer_attn_flag
     objective_tokens_per_sample: float | None = None  # ProbeSpec.objective_tokens_per_sample
     nproc: int = 1  # ProbeSpec.nproc: ranks per probe (torchrun), one GPU each from ``device`` on
+    host_memory_ceiling_bytes: int | None = None  # the probe's processes together; a probe over it does not fit (see evaluate)
     _trial_number: int | None = field(default=None, init=False, repr=False)
     _last_probe_end_s: float | None = field(default=None, init=False, repr=False)  # time.time() when our last probe ended
 
@@ -114,4 +115,18 @@ class ProbeEvaluator:
             result = run_isolated(self.spec_for(params), timeout_s=timeout_s, mode=self.mode, device_uuid=self.device_uuid, note=note)
         finally:
             self._last_probe_end_s = time.time()
+        result = over_host_ceiling(result, self.host_memory_ceiling_bytes)
         return result.replace(interference=busy) if busy else result
+
+
+def over_host_ceiling(result: ProbeResult, ceiling_bytes: int | None) -> ProbeResult:
+    """A probe whose processes held more host memory than ``ceiling_bytes`` together: out of memory, as one over the device's
+    ceiling is (on a real run the kernel's OOM killer would end it, or the machine would swap); otherwise unchanged."""
+    if ceiling_bytes is None or not result.ok or result.host_peak_rss_bytes is None or result.host_peak_rss_bytes <= ceiling_bytes:
+        return result
+    from autotune.units import format_bytes
+
+    return ProbeResult(status=ProbeStatus.OOM, error=f"host memory: the probe's processes peaked at {format_bytes(result.host_peak_rss_bytes)}, "
+                       f"over the {format_bytes(ceiling_bytes)} host ceiling", peak_mem_bytes=result.peak_mem_bytes,
+                       host_peak_rss_bytes=result.host_peak_rss_bytes, wall_s=result.wall_s, setup_s=result.setup_s,
+                       device_name=result.device_name, extra=result.extra)
