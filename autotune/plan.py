@@ -27,6 +27,7 @@ from autotune.search.strategies.registry import DEFAULT_STRATEGY, make_strategy
 from autotune.space import NO_EFFECT_ON_CPU, Dropped, SearchSpace, parse_space, read_space_data
 from autotune.storage import DEFAULT_STORAGE
 from autotune.studies import opening
+from autotune.studies.settings import ProbeSettings
 from autotune.units import format_bytes, parse_bytes, parse_duration_s
 from autotune.version import __version__
 
@@ -132,13 +133,13 @@ class RunPlan:
             "config_class": self.trainer.config_class if self.trainer else "transformers.training_args.TrainingArguments",
             "user_config": self.trainer.user_config if self.trainer else None,
             # What a worker joining from elsewhere needs to probe exactly as this run does (autotune.workers).
-            "probe": {
-                "warmup_steps": self.warmup_steps, "measure_steps": self.measure_steps,
-                "trial_timeout_s": self.settings.trial_timeout_s, "seed": self.settings.seed, "isolation": self.isolation,
-                "trainer_sys_path": self.trainer.ref.sys_path if self.trainer else None,
-                "trainer_attn_flag": bool(self.trainer and self.trainer.takes_attn_flag),
-                "tokens_per_sample": self.tokens_per_sample,
-            },
+            "probe": ProbeSettings(
+                warmup_steps=self.warmup_steps, measure_steps=self.measure_steps,
+                trial_timeout_s=self.settings.trial_timeout_s, seed=self.settings.seed, isolation=self.isolation,
+                trainer_sys_path=self.trainer.ref.sys_path if self.trainer else None,
+                trainer_attn_flag=bool(self.trainer and self.trainer.takes_attn_flag),
+                tokens_per_sample=self.tokens_per_sample,
+            ).to_dict(),
             "command": command,
             "versions": package_versions(),
         }

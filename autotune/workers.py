@@ -38,6 +38,7 @@ from autotune.records import ProbeStatus
 from autotune.search.loop import SearchOutcome, TrialRecord
 from autotune.space import SearchSpace
 from autotune.studies import reading, schema
+from autotune.studies.settings import ProbeSettings
 
 PARENT_RUN_ENV = "AUTOTUNE_PARENT_RUN"  # set for workers that `autotune run --gpus` starts: they die with it
 FOLLOW_POLL_S = 1.0
@@ -89,10 +90,10 @@ def options_for_worker(
         UsageError: the study was not made by this version's ``autotune run`` (no probe settings), or
             its shared budget has ended and neither ``budget`` nor ``n_trials`` is given.
     """
-    probe = settings.get("probe")
-    if not probe or not settings.get("space"):
+    if not settings.get("probe") or not settings.get("space"):
         raise UsageError(f"study {study!r} does not record its run's probe settings (made by an older autotune?): "
                          "start a new study with `autotune run`")
+    probe = ProbeSettings.from_dict(settings["probe"])
     if budget is None and n_trials is None:
         deadline = settings.get("deadline_unix_s")
         left_s = deadline - time.time() if deadline else 0.0
@@ -108,16 +109,16 @@ def options_for_worker(
 
         identity = settings["trainer"] if isinstance(settings["trainer"], dict) else {"reference": settings["trainer"]}
         target, _, function = str(identity["reference"]).rpartition(":")
-        trainer = TrainerRef(target=target, function=function, sys_path=probe.get("trainer_sys_path"))
+        trainer = TrainerRef(target=target, function=function, sys_path=probe.trainer_sys_path)
         trainer_args, objective = identity.get("args"), identity.get("objective")
     return dict(
         model=None if trainer else settings["model"], trainer=trainer, budget=budget, n_trials=n_trials, space=SearchSpace.from_dict(settings["space"]),
         memory_ceiling=int(settings["memory_ceiling_bytes"]), effective_batch_size=settings.get("effective_batch_size"),
         seq_len=None if trainer else int(settings["seq_len"]), device=device, storage=storage, study=study,
-        seed=int(probe.get("seed", defaults.SEED)) + seed_offset, trial_timeout=probe.get("trial_timeout_s", defaults.TRIAL_TIMEOUT),
-        warmup_steps=int(probe.get("warmup_steps", defaults.WARMUP_STEPS)), measure_steps=int(probe.get("measure_steps", defaults.MEASURE_STEPS)),
+        seed=probe.seed + seed_offset, trial_timeout=probe.trial_timeout_s,
+        warmup_steps=probe.warmup_steps, measure_steps=probe.measure_steps,
         dataset=dataset.get("path"), text_column=dataset.get("text_column", defaults.TEXT_COLUMN), tokenizer=dataset.get("tokenizer"),
-        strategy=settings.get("strategy") or defaults.STRATEGY, isolation=probe.get("isolation", defaults.ISOLATION),
+        strategy=settings.get("strategy") or defaults.STRATEGY, isolation=probe.isolation,
         peft=peft.get("method"), lora_r=peft.get("r"), lora_alpha=peft.get("alpha"), lora_dropout=peft.get("dropout"),
         lora_target_modules=list(targets) if targets else None,
         trainer_args=trainer_args, objective=objective, baseline=_baseline_fields(settings.get("baseline")),

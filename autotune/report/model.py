@@ -33,6 +33,7 @@ from autotune.report.formatting import Kind, format_count, format_value, is_miss
 from autotune.results import TuneResult, no_result_error, same_params, short_config
 from autotune.space import SearchSpace
 from autotune.storage import DEFAULT_STORAGE
+from autotune.studies.settings import ProbeSettings
 from autotune.units import format_bytes, format_duration
 
 # A trial's outcome in the report: the probe's status, except that a finished probe over the
@@ -530,7 +531,7 @@ def build_report_model(result: TuneResult) -> ReportModel:
             ))
         if result.objective == "tokens":
             headline += (" Ranked by real (non-padding) tokens/s: samples/s is tokens/s over the data's "
-                         f"{float(result.settings.get('probe', {}).get('tokens_per_sample') or 0):.1f} tokens per sequence.")
+                         f"{ProbeSettings.from_dict(result.settings.get('probe')).tokens_per_sample or 0:.1f} tokens per sequence.")
         changed = [name for name in (result.best_params or {}).get("extra", {}) if name in BATCH_CONTENT_FIELDS]
         if changed:
             headline += f" {', '.join(changed)} change{'s' if len(changed) == 1 else ''} what a training step sees (its sequences and their lengths), not only its speed."
