@@ -256,6 +256,11 @@ class TuneResult:
     # ------------------------------------------------------------------ rankings
 
     @property
+    def measured_on_cpu(self) -> bool:
+        """Whether the study's probes ran on a CPU (a study that records no device: as on a GPU)."""
+        return (self.settings.get("device") or {}).get("kind") == "cpu"
+
+    @property
     def memory_ceiling_bytes(self) -> int | None:
         return self.settings.get("memory_ceiling_bytes")
 
@@ -264,8 +269,7 @@ class TuneResult:
         # Computed once per trials frame: best, baseline, speed-up and every display read it.
         key = (id(self.trials), len(self.trials), self.memory_ceiling_bytes)
         if self._configurations is None or self._configurations[0] != key:
-            gpu = (self.settings.get("device") or {}).get("kind", "cuda") != "cpu"  # a study without a device: as on a GPU
-            self._configurations = (key, configurations_frame(self.trials, self.memory_ceiling_bytes, gpu=gpu))
+            self._configurations = (key, configurations_frame(self.trials, self.memory_ceiling_bytes, gpu=not self.measured_on_cpu))
         return self._configurations[1]
 
     def ranked(self) -> pd.DataFrame:
@@ -391,7 +395,7 @@ class TuneResult:
             kwargs.update(config_overrides(trial_params))
         else:
             kwargs = trial_params.training_arguments_kwargs()
-        if self.settings.get("device", {}).get("kind") == "cpu":
+        if self.measured_on_cpu:
             kwargs["use_cpu"] = True  # measured on the CPU: the Trainer must not look for a GPU
         return {**kwargs, "attn_implementation": trial_params.attn_implementation}
 
@@ -520,18 +524,21 @@ def _memory_advice(result: TuneResult, package_available: Any) -> list[str]:
     if True not in space.get("gradient_checkpointing", [True]):
         advice.append("allow gradient_checkpointing: [true] in the space")
     optims = space.get("optim", [])
-    device_kind = (result.settings.get("device") or {}).get("kind")
+    gpu = not result.measured_on_cpu
     if "adafactor" not in optims:
         advice.append("allow optim adafactor (a factored optimizer state) in the space")
-    if device_kind == "cuda" and not any("8bit" in str(o) for o in optims):
+    if gpu and not any("8bit" in str(o) for o in optims):
         if package_available("bitsandbytes"):
             advice.append("allow an 8-bit optimizer (adamw_bnb_8bit) in the space")
         else:
             advice.append("pip install bitsandbytes and allow adamw_bnb_8bit in the space")
     dropped = " ".join(str(d) for d in (result.settings.get("space") or {}).get("dropped") or ())
-    if (device_kind == "cuda" and True not in space.get("use_liger_kernel", [False]) and "use_liger_kernel=" not in dropped
+    if (gpu and True not in space.get("use_liger_kernel", [False]) and "use_liger_kernel=" not in dropped
             and package_available("liger_kernel")):
         advice.append("allow use_liger_kernel: [true] in the space (its fused cross-entropy keeps no logits)")
+    if gpu and not any("offload" in str(s) for s in space.get("sharding", ["none"])):
+        install = "" if package_available("deepspeed") else "pip install deepspeed and "
+        advice.append(f"{install}allow sharding: [none, zero2_offload] in the space (ZeRO-Offload keeps AdamW's state on the host)")
     batches = [b for b in space.get("per_device_train_batch_size", []) if isinstance(b, int)]
     if batches and min(batches) > 1:
         advice.append(f"allow per_device_train_batch_size below {min(batches)}")

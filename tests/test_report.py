@@ -304,6 +304,7 @@ def test_nothing_fits_is_said_only_for_memory_with_advice_that_can_be_followed(s
     assert "nothing fits under the 12.00 GiB memory ceiling" in err and err.count("\n") == 1
     assert "gradient_checkpointing" not in err and "adafactor" not in err  # both are in this study's space already
     assert "pip install bitsandbytes and allow adamw_bnb_8bit" in err and "allow per_device_train_batch_size below 4" in err
+    assert "allow sharding: [none, zero2_offload] in the space (ZeRO-Offload keeps AdamW's state on the host)" in err
 
 
 def test_a_budget_that_ends_before_any_probe_finishes_says_so(storage) -> None:
