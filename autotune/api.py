@@ -243,9 +243,9 @@ def run_plan(
     try:
         with opening.storage_errors(plan.storage, during_run=True):
             if plan.gpus:
-                from autotune.workers import run_workers
+                from autotune.workers import run_workers, worker_devices
 
-                outcome = run_workers(study, plan.storage, [f"cuda:{gpu}" for gpu in plan.gpus], plan.memory_ceiling_bytes,
+                outcome = run_workers(study, plan.storage, worker_devices(plan.gpus, plan.nproc_per_probe), plan.memory_ceiling_bytes,
                                       n_trials=plan.settings.n_trials, on_start=on_start, on_trial=on_trial)
                 opening.record_stop(study, outcome.stopped_because)
             else:

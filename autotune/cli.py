@@ -238,7 +238,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from autotune.api import RunOptions, plan_run, run_plan
     from autotune.console import LiveProgress
     from autotune.studies import opening, writing
-    from autotune.workers import PARENT_RUN_ENV, options_for_worker, parse_gpus, run_workers
+    from autotune.workers import PARENT_RUN_ENV, options_for_worker, parse_gpus, run_workers, worker_devices
 
     if os.environ.get(PARENT_RUN_ENV):  # started by `autotune run --gpus`: end with it, even if it is kill -9'd
         from autotune.probe.lifetime import die_with_parent
@@ -248,7 +248,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     settings = {**opening.settings_of(study), "deadline_unix_s": writing.deadline_unix_s(study)}
     gpus = parse_gpus(args.gpus)
     if gpus is not None:  # one worker process per GPU, each of them this command with --device cuda:N
-        outcome = run_workers(study, args.storage, [f"cuda:{gpu}" for gpu in gpus], int(settings["memory_ceiling_bytes"]),
+        nproc = int(settings.get("nproc_per_probe") or 1)  # the study's probes span this many GPUs: one worker per group
+        outcome = run_workers(study, args.storage, worker_devices(gpus, nproc), int(settings["memory_ceiling_bytes"]),
                               n_trials=args.n_trials)
         return stopped_exit_code() if outcome.stopped_because == "interrupted" else 0
     options = options_for_worker(settings, storage=args.storage, study=args.study, device=args.device, budget=args.budget,

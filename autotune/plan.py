@@ -573,7 +573,8 @@ def _check_nproc(options: RunOptions, device: DeviceInfo, gpus: list[int] | None
 
     Raises:
         UsageError/DeviceError: fewer than 1; more than the GPUs from ``--device`` on (or, on a CPU, than its cores);
-            GPUs of different kinds; combined with ``--gpus`` or ``--effective-batch-size``, which do not count ranks yet.
+            GPUs of different kinds; ``--gpus`` that do not split into runs of N consecutive GPUs; combined with
+            ``--effective-batch-size``, which does not count ranks yet.
     """
     import os
 
@@ -582,9 +583,11 @@ def _check_nproc(options: RunOptions, device: DeviceInfo, gpus: list[int] | None
         raise UsageError(f"--nproc-per-probe must be at least 1, got {n}")
     if n == 1:
         return
-    if gpus is not None:
-        raise UsageError(f"--gpus with --nproc-per-probe {n}: workers of several GPUs each are not supported yet; drop --gpus "
-                         f"(one search whose probes span GPUs {device.index if device.is_cuda else 0}..) or --nproc-per-probe")
+    if gpus is not None:  # workers of n consecutive GPUs each; the kinds were checked over every GPU of --gpus
+        from autotune.workers import worker_devices
+
+        worker_devices(gpus, n)
+        return
     if options.effective_batch_size is not None:
         raise UsageError(f"--effective-batch-size with --nproc-per-probe {n} is not supported yet (the batch would count one "
                          "rank's samples): drop one of them")

@@ -78,6 +78,22 @@ def parse_gpus(value: str | Sequence[int] | None) -> list[int] | None:
     return gpus
 
 
+def worker_devices(gpus: Sequence[int], nproc_per_probe: int = 1) -> list[str]:
+    """The ``--device`` of each worker of ``--gpus``: one per GPU, or with probes of N processes one per N GPUs in a row
+    (``--gpus 0,1,2,3 --nproc-per-probe 2``: cuda:0 probing on GPUs 0-1, cuda:2 on 2-3).
+
+    Raises:
+        UsageError: the GPUs do not split into runs of N consecutive numbers.
+    """
+    n = max(nproc_per_probe, 1)
+    groups = [list(gpus[i:i + n]) for i in range(0, len(gpus), n)]
+    if len(gpus) % n or any(group != list(range(group[0], group[0] + n)) for group in groups):
+        listing = ",".join(str(g) for g in gpus)
+        raise UsageError(f"--gpus {listing} does not split into workers of {n} consecutive GPUs (--nproc-per-probe {n}): "
+                         f"list them in runs of {n}, e.g. --gpus {','.join(str(i) for i in range(2 * n))}")
+    return [f"cuda:{group[0]}" for group in groups]
+
+
 def options_for_worker(
     settings: dict[str, Any], *, storage: str, study: str, device: str, budget: str | float | None, n_trials: int | None,
     seed_offset: int,

@@ -157,3 +157,14 @@ def test_an_oom_on_rank_1_ends_every_rank_and_comes_back_as_the_probes_oom() -> 
     assert result.error.startswith("rank 1 of 2: OutOfMemoryError")
     assert {r["rank"]: r["status"] for r in result.extra["ranks"]}.get(1) == "oom"
     assert _probe_processes() == []
+
+
+def test_gpus_split_into_workers_of_as_many_consecutive_gpus_as_a_probe_spans() -> None:
+    from autotune.workers import worker_devices
+
+    assert worker_devices([0, 1, 2, 3]) == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    assert worker_devices([0, 1, 2, 3], 2) == ["cuda:0", "cuda:2"]  # each worker probes on its GPU and the next
+    assert worker_devices([4, 5, 6, 7], 4) == ["cuda:4"]
+    for gpus, n in (([0, 1, 2], 2), ([0, 2, 4, 6], 2), ([1, 0], 2)):
+        with pytest.raises(UsageError, match=f"does not split into workers of {n} consecutive GPUs"):
+            worker_devices(gpus, n)
