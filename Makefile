@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint install browser postgres clean wheelhouse wheelhouse-qlora gpu-check
+.PHONY: demo test lint install browser postgres clean wheelhouse wheelhouse-deepspeed wheelhouse-qlora gpu-check
 
 install: $(STAMP)
 
@@ -66,6 +66,11 @@ postgres:
 WHEEL_PYTHON ?= 3.12
 wheelhouse: $(STAMP)
 	$(PY) -m bench.wheelhouse --dest wheelhouse --python-version $(WHEEL_PYTHON)
+
+# The same, plus DeepSpeed (its wheel built here: PyPI has only its source) and its dependencies, for the
+# sharding values (ZeRO stages and offload): `pip install --no-index --find-links wheelhouse deepspeed` there.
+wheelhouse-deepspeed: $(STAMP)
+	$(PY) -m bench.wheelhouse --dest wheelhouse --python-version $(WHEEL_PYTHON) --deepspeed
 
 # The same, plus bitsandbytes unpacked into wheelhouse/bnb_site (only its CPU and CUDA 13 libraries,
 # 8 MiB) for --peft qlora and the 8-bit optimizers: bench/gpu_peft_studies.sh puts it on PYTHONPATH.

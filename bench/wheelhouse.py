@@ -15,6 +15,9 @@ together, so they agree), else the newest that pip finds. Every distribution end
 one wheel; a requirement that a chosen version does not satisfy is reported. pyarrow is left out:
 only ``--dataset x.parquet`` needs it.
 
+``--deepspeed`` (``make wheelhouse-deepspeed``) also builds DeepSpeed's wheel here and adds its dependencies (the
+``sharding`` values; its ops are compiled with ninja on the GPU machine on first use).
+
 ``--bitsandbytes`` (``make wheelhouse-qlora``) also unpacks bitsandbytes, for ``--peft qlora`` and the
 8-bit optimizers, into ``wheelhouse/bnb_site`` (put it on ``PYTHONPATH``; ``bench/gpu_peft_studies.sh``
 does): its wheel carries a library per CUDA and ROCm version (43 MiB), which with the wheels above
@@ -99,8 +102,9 @@ def download(requirements: list[str], dest: Path, python_version: str) -> None:
     subprocess.run(command, check=True)
 
 
-def build(dest: Path, python_version: str) -> dict[str, Path]:
-    """Fill ``dest`` with the closure of :data:`ROOTS`, one wheel per distribution; returns name -> wheel.
+def build(dest: Path, python_version: str, deepspeed: bool = False) -> dict[str, Path]:
+    """Fill ``dest`` with the closure of :data:`ROOTS` (and with ``deepspeed``, of DeepSpeed: :func:`deepspeed_wheel`),
+    one wheel per distribution; returns name -> wheel.
 
     Raises:
         SystemExit: when a distribution has two wheels or a requirement is not met.
@@ -110,6 +114,9 @@ def build(dest: Path, python_version: str) -> dict[str, Path]:
         stale.unlink()
     environment = target_environment(python_version)
     wanted = [canonicalize_name(n) for n in ROOTS]
+    if deepspeed:
+        deepspeed_wheel(dest)
+        wanted.append("deepspeed")
     while True:
         have = wheels_by_name(dest)
         missing = [n for n in dict.fromkeys(wanted) if n not in have]
@@ -136,6 +143,16 @@ def build(dest: Path, python_version: str) -> dict[str, Path]:
     if problems:
         raise SystemExit("inconsistent wheelhouse: " + "; ".join(problems))
     return {n: paths[0] for n, paths in have.items()}
+
+
+def deepspeed_wheel(dest: Path) -> Path:
+    """Build DeepSpeed's wheel into ``dest`` (PyPI has only its source; built without its ops, ``DS_BUILD_OPS=0``, so it is
+    pure Python: its CPU Adam and communication ops are compiled on first use, with ninja, on the machine that runs them)."""
+    import os
+
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--disable-pip-version-check", "--no-deps", "-w", str(dest),
+                    pinned("deepspeed")], check=True, env={**os.environ, "DS_BUILD_OPS": "0"})
+    return next(dest.glob("deepspeed-*.whl"))
 
 
 BNB_SITE = "bnb_site"  # in the wheelhouse: an unpacked bitsandbytes, for PYTHONPATH
@@ -181,11 +198,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dest", default="wheelhouse", type=Path)
     parser.add_argument("--python-version", default="3.12", help="of the GPU image's interpreter (default 3.12)")
     parser.add_argument("--bitsandbytes", action="store_true", help="also unpack bitsandbytes (QLoRA, 8-bit optimizers) into DEST/bnb_site")
+    parser.add_argument("--deepspeed", action="store_true", help="also DeepSpeed (built here: PyPI has only its source) and what it needs, "
+                        "for the sharding values zero1-3 and ZeRO-Offload")
     parser.add_argument("--cuda", type=int, default=13, help="with --bitsandbytes: the CUDA major version torch was built with there (default 13)")
     args = parser.parse_args(argv)
     if not re.fullmatch(r"3\.\d+", args.python_version):
         parser.error("--python-version is MAJOR.MINOR, e.g. 3.12")
-    wheels = build(args.dest, args.python_version)
+    wheels = build(args.dest, args.python_version, deepspeed=args.deepspeed)
     total = 0
     for name in sorted(wheels):
         size = wheels[name].stat().st_size
