@@ -163,8 +163,11 @@ def print_header(console: Console, plan: Any, resumed: int) -> None:
     for dropped in plan.space.dropped:
         console.print(f"  dropped {dropped}", style="yellow")
     if plan.space.effective_batch_size:
-        ebs = plan.space.effective_batch_size
-        console.print(f"  effective batch size fixed at {ebs}: accumulation = {ebs} / batch size")
+        ebs, n = plan.space.effective_batch_size, getattr(plan, "nproc_per_probe", 1)
+        if n > 1:
+            console.print(f"  effective batch size fixed at {ebs * n} over {n} processes: accumulation = {ebs} / batch size")
+        else:
+            console.print(f"  effective batch size fixed at {ebs}: accumulation = {ebs} / batch size")
 
 
 # The ranked table: every parameter in its own column where the terminal is wide enough (the knobs

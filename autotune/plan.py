@@ -118,7 +118,8 @@ class RunPlan:
             "device": self.device.to_dict(),
             "memory_ceiling_bytes": self.memory_ceiling_bytes,
             "space": self.space.to_dict(),
-            "effective_batch_size": self.space.effective_batch_size,
+            # Samples per optimizer step over every process of a probe (what --effective-batch-size said); the space's is one rank's.
+            "effective_batch_size": self.space.effective_batch_size * self.nproc_per_probe if self.space.effective_batch_size else None,
             "baseline": self.baseline.to_dict(),
             "dataset": self.dataset.to_dict() if self.dataset else None,
             "strategy": self.strategy,
@@ -261,7 +262,8 @@ def plan_run(options: RunOptions) -> RunPlan:
     supports_sdpa, supports_flash = (user.supports_sdpa, user.supports_flash) if user else model_attention_support(model_spec)
     restricted = loaded.restrict(
         device_info,
-        effective_batch_size=options.effective_batch_size,
+        # One rank's share: with N processes per probe, per-device batch x accumulation x N is the effective batch.
+        effective_batch_size=options.effective_batch_size // options.nproc_per_probe if options.effective_batch_size else options.effective_batch_size,
         model_supports_sdpa=supports_sdpa,
         model_supports_flash=supports_flash,
         model_type=getattr(model_spec, "model_type", None),  # Liger kernels exist for some model types only
@@ -573,8 +575,8 @@ def _check_nproc(options: RunOptions, device: DeviceInfo, gpus: list[int] | None
 
     Raises:
         UsageError/DeviceError: fewer than 1; more than the GPUs from ``--device`` on (or, on a CPU, than its cores);
-            GPUs of different kinds; ``--gpus`` that do not split into runs of N consecutive GPUs; combined with
-            ``--effective-batch-size``, which does not count ranks yet.
+            GPUs of different kinds; ``--gpus`` that do not split into runs of N consecutive GPUs; an
+            ``--effective-batch-size`` that N processes cannot share equally.
     """
     import os
 
@@ -588,9 +590,9 @@ def _check_nproc(options: RunOptions, device: DeviceInfo, gpus: list[int] | None
 
         worker_devices(gpus, n)
         return
-    if options.effective_batch_size is not None:
-        raise UsageError(f"--effective-batch-size with --nproc-per-probe {n} is not supported yet (the batch would count one "
-                         "rank's samples): drop one of them")
+    if options.effective_batch_size is not None and options.effective_batch_size % n:
+        raise UsageError(f"--effective-batch-size {options.effective_batch_size} is not a multiple of --nproc-per-probe {n}: "
+                         f"each process takes an equal share; use e.g. {n * max(options.effective_batch_size // n, 1)}")
     if device.is_cuda:
         from autotune.probe.ranks import probe_gpus
 

@@ -96,7 +96,7 @@ def _options(**overrides) -> RunOptions:
 @pytest.mark.parametrize(("overrides", "message"), [
     ({"nproc_per_probe": 0}, "--nproc-per-probe must be at least 1"),
     ({"nproc_per_probe": (os.cpu_count() or 1) + 1}, "each process needs a core"),
-    ({"nproc_per_probe": 2, "effective_batch_size": 16}, "drop one of them"),
+    ({"nproc_per_probe": 2, "effective_batch_size": 15}, "--effective-batch-size 15 is not a multiple of --nproc-per-probe 2"),
 ])
 def test_processes_per_probe_this_machine_cannot_run_are_one_line_naming_the_fix(overrides, message) -> None:
     with pytest.raises(UsageError, match=message) as caught:
@@ -115,6 +115,10 @@ def test_the_processes_per_probe_reach_the_probe_and_the_studys_identity() -> No
     assert two.memory_ceiling_bytes == pytest.approx(one.memory_ceiling_bytes / 2, rel=1e-6)
     attrs_one, attrs_two = one.study_attrs(None), two.study_attrs(None)
     assert opening.mismatch(attrs_one, attrs_two) == "was made with a different nproc_per_probe"
+    # --effective-batch-size counts the samples of every process: each of two ranks takes half of it.
+    shared = plan_run(_options(nproc_per_probe=2, effective_batch_size=16))
+    assert shared.space.effective_batch_size == 8 and shared.study_attrs(None)["effective_batch_size"] == 16
+    assert shared.baseline.effective_batch_size == 8 and shared.study_name.endswith("-cpux2-ebs16")
     legacy = {k: v for k, v in attrs_one.items() if k != "nproc_per_probe"}  # a study made before the key existed
     assert opening.mismatch(legacy, attrs_one) is None
     assert opening.mismatch(legacy, attrs_two) is not None
