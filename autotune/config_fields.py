@@ -17,7 +17,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from autotune.params import KNOBS_ADDED_LATER, PARAM_DEFAULTS, WORKER_ONLY_PARAMS, TrialParams
+from autotune.params import KNOBS_ADDED_LATER, NOT_CONFIG_FIELDS, PARAM_DEFAULTS, WORKER_ONLY_PARAMS, TrialParams
 
 Kind = Literal["bool", "int", "float", "str", "other"]
 
@@ -169,14 +169,9 @@ def config_overrides(params: TrialParams) -> dict[str, Any]:
     out: a command-line flag cannot say None."""
     values: dict[str, Any] = {"bf16": False, "fp16": False, "tf32": False, "torch_compile": False}
     values.update({name: PARAM_DEFAULTS[name] for name in KNOBS_ADDED_LATER
-                   if (params.dataloader_num_workers or name not in WORKER_ONLY_PARAMS) and name not in NOT_FIELDS})
+                   if (params.dataloader_num_workers or name not in WORKER_ONLY_PARAMS) and name not in NOT_CONFIG_FIELDS})
     values.update(params.training_arguments_kwargs())
     return {k: v for k, v in values.items() if v is not None}
-
-
-# Dimensions that are not config fields of their own name: ``sharding`` is the ``deepspeed`` dict it makes
-# (autotune.sharding), absent for ``none``.
-NOT_FIELDS = ("sharding",)
 
 
 def as_flags(values: dict[str, Any]) -> list[str]:

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+from autotune.sharding import training_arguments_kwargs as sharding_kwargs
+
 # fp32 | tf32 (fp32 weights, TF32 matmuls) | fp16 | bf16 (autocast mixed precision, fp32 master weights) |
 # fp16+tf32 | bf16+tf32 (the same, with TF32 for the matmuls autocast leaves in fp32, as the transformers
 # GPU guide combines bf16=True, tf32=True).
@@ -162,12 +164,9 @@ class TrialParams:
         # The later knobs only where they differ from transformers' default (worker-only ones are at
         # their default without workers: __post_init__), so older exports read unchanged.
         for name in KNOBS_ADDED_LATER:
-            if getattr(self, name) != PARAM_DEFAULTS[name] and name != "sharding":
+            if getattr(self, name) != PARAM_DEFAULTS[name] and name not in NOT_CONFIG_FIELDS:
                 kwargs[name] = getattr(self, name)
-        if self.sharding != PARAM_DEFAULTS["sharding"]:  # a TrainingArguments field of its own: deepspeed=
-            from autotune.sharding import training_arguments_kwargs
-
-            kwargs.update(training_arguments_kwargs(self.sharding))
+        kwargs.update(sharding_kwargs(self.sharding))  # deepspeed=, nothing for none
         kwargs.update(self.extra)  # the user's own config fields, by their own names
         return kwargs
 
@@ -223,6 +222,9 @@ KNOBS_ADDED_LATER: tuple[str, ...] = (
     "use_liger_kernel", "torch_empty_cache_steps", "dataloader_pin_memory", "dataloader_persistent_workers",
     "dataloader_prefetch_factor", "sharding",
 )
+# Dimensions that are not config fields of their own name: ``sharding`` is the ``deepspeed`` dict it makes
+# (autotune.sharding), absent for ``none``.
+NOT_CONFIG_FIELDS: tuple[str, ...] = ("sharding",)
 # Each parameter's default (transformers' own): what a missing key, column or stored value reads as. Read-only.
 PARAM_DEFAULTS: Mapping[str, Any] = MappingProxyType({f.name: f.default for f in dataclasses.fields(TrialParams) if f.name != "extra"})
 

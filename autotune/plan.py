@@ -597,19 +597,18 @@ def _check_nproc(options: RunOptions, device: DeviceInfo, gpus: list[int] | None
         from autotune.probe.ranks import probe_gpus
 
         wanted = [int(d.partition(":")[2]) for d in probe_gpus(f"cuda:{device.index}", n)]
+        flag = f"--nproc-per-probe {n} from cuda:{device.index}"
         try:
-            _same_kind_gpus(wanted, "cuda", flag=f"--nproc-per-probe {n} from cuda:{device.index}")
+            infos = [detect_device(f"cuda:{gpu}") for gpu in wanted]
         except DeviceError as exc:
-            if "different kinds" in str(exc):
-                raise
-            raise DeviceError(f"--nproc-per-probe {n} from cuda:{device.index} needs GPUs {wanted[0]}..{wanted[-1]} ({exc}): "
-                              "use fewer processes or a lower --device cuda:N") from exc
+            raise DeviceError(f"{flag} needs GPUs {wanted[0]}..{wanted[-1]} ({exc}): use fewer processes or a lower --device cuda:N") from exc
+        _one_kind(wanted, infos, flag, f"pick --device so that its {n} GPUs are of one kind")
     elif n > (os.cpu_count() or 1):
         raise UsageError(f"--nproc-per-probe {n} on a CPU of {os.cpu_count()} cores: each process needs a core; "
                          f"use --nproc-per-probe {os.cpu_count()} or less")
 
 
-def _same_kind_gpus(gpus: list[int], device: str | DeviceInfo, flag: str = "--gpus") -> DeviceInfo:
+def _same_kind_gpus(gpus: list[int], device: str | DeviceInfo) -> DeviceInfo:
     """The first of ``gpus``, after checking every one exists and is the same model with the same memory
     (a study belongs to one device kind: its measurements rank configurations for that kind).
 
@@ -619,13 +618,19 @@ def _same_kind_gpus(gpus: list[int], device: str | DeviceInfo, flag: str = "--gp
     if device not in ("auto", "cuda"):
         raise UsageError(f"--gpus picks the GPUs itself: drop --device {device if isinstance(device, str) else device.name}")
     infos = [detect_device(f"cuda:{gpu}") for gpu in gpus]
-    kinds = {(info.name, info.total_memory_bytes) for info in infos}
-    if len(kinds) > 1:
-        listing = ", ".join(f"cuda:{gpu} {info.name} {format_bytes(info.total_memory_bytes)}" for gpu, info in zip(gpus, infos))
-        raise DeviceError(f"{flag} names GPUs of different kinds ({listing}): a study is for one kind; "
-                          "run one study per kind, each with its own --gpus" if flag == "--gpus" else f"{flag} spans GPUs of different "
-                          f"kinds ({listing}): pick --device so that its {len(gpus)} GPUs are of one kind")
+    _one_kind(gpus, infos, "--gpus", "run one study per kind, each with its own --gpus")
     return infos[0]
+
+
+def _one_kind(gpus: list[int], infos: list[DeviceInfo], flag: str, fix: str) -> None:
+    """GPUs of one model and memory size (a study is for one kind: its measurements rank configurations for that kind).
+
+    Raises:
+        DeviceError: naming each GPU and ``fix``.
+    """
+    if len({(info.name, info.total_memory_bytes) for info in infos}) > 1:
+        listing = ", ".join(f"cuda:{gpu} {info.name} {format_bytes(info.total_memory_bytes)}" for gpu, info in zip(gpus, infos))
+        raise DeviceError(f"{flag} names GPUs of different kinds ({listing}): a study is for one kind; {fix}")
 
 
 def _dataset_spec(dataset: str | None, text_column: str, tokenizer: str | None, model: Any) -> Any:

@@ -12,6 +12,7 @@ import importlib.resources
 import importlib.util
 import math
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from autotune.params import (
     uses_tf32,
 )
 from autotune.records import DeviceInfo
+from autotune.sharding import incompatible
 from autotune.sharding import parse as sharding_of
 
 # Optimizers that need an optional package (module name) to run.
@@ -168,20 +170,15 @@ class SearchSpace:
         kept = tuple(v for v in self.choices[name] if v not in reasons)
         dropped = (*self.dropped, *(Dropped(name, v, reason) for v, reason in reasons.items()))
         if not kept:
-            raise UsageError(f"no value of {name} can run here ({'; '.join(str(d) for d in dropped if d.param == name)}): "
-                             "add a runnable value to the space file")
+            raise _nothing_left(name, dropped)
         return SearchSpace(self.name, {**self.choices, name: kept}, self.effective_batch_size, dropped, self.grow_batches_by)
 
     def unrunnable(self, params: TrialParams) -> str | None:
         """Why a point of this space cannot train though each of its values can (a combination), or None."""
-        from autotune.sharding import incompatible
-
         return incompatible(params.sharding, params.optim)
 
     def check_combinations(self) -> None:
         """Raises UsageError when no combination of the space's sharding and optimizer values can train."""
-        from autotune.sharding import incompatible
-
         shardings, optims = self.choices.get("sharding", ("none",)), self.choices.get("optim", ())
         reasons = [incompatible(s, o) for s in shardings for o in optims]
         if optims and all(reasons):
@@ -298,8 +295,7 @@ class SearchSpace:
             if not kept and name in NO_EFFECT_ON_CPU and not device.is_cuda:
                 kept.append(default)  # the same run as every dropped value here
             if not kept:
-                reasons = "; ".join(str(d) for d in dropped if d.param == name)
-                raise UsageError(f"no value of {name} can run here ({reasons}): add a runnable value to the space file")
+                raise _nothing_left(name, dropped)
             choices[name] = tuple(kept)
         if effective_batch_size is not None:
             if effective_batch_size <= 0:
@@ -313,6 +309,12 @@ class SearchSpace:
                 )
             choices["per_device_train_batch_size"] = batch_sizes
         return SearchSpace(self.name, choices, effective_batch_size, tuple(dropped), self.grow_batches_by)
+
+
+def _nothing_left(name: str, dropped: Iterable[Dropped]) -> UsageError:
+    """The error for a parameter whose every value was dropped, with each reason."""
+    reasons = "; ".join(str(d) for d in dropped if d.param == name)
+    return UsageError(f"no value of {name} can run here ({reasons}): add a runnable value to the space file")
 
 
 def _unrunnable_reason(

@@ -689,4 +689,3 @@ def run_isolated(
             reason = f"probe process exited with code {returncode} without a result"
         tail = _tail(log_path)
         return ProbeResult(status=ProbeStatus.CRASH, error=f"{reason}\n{tail}".strip(), wall_s=wall_s, process_lost=lost)
-
