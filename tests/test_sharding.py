@@ -174,6 +174,8 @@ def test_a_cpu_run_measures_two_sharding_values_end_to_end(tmp_path) -> None:
     found = set(ok["sharding"])
     assert "none" in found and found & {"zero2", "zero3"}  # the baseline (the Trainer's DDP) and a ZeRO stage, both measured
     assert result.settings.get("nproc_per_probe") == 2
+    # The best is per device: best.model.json says how to launch it.
+    assert "launch with torchrun --nproc-per-node 2" in result.model_json()["autotune_note"]
 
 
 # ---- the host-memory ceiling ------------------------------------------------------------------------
