@@ -11,6 +11,7 @@ from autotune.search.memory import (
     MemoryModel,
     ModelDims,
     activation_bytes_per_sample,
+    median_error_beyond,
     predict_peak_bytes,
     static_memory,
 )
@@ -308,11 +309,11 @@ def test_checkpointed_peaks_do_not_take_the_activations_bytes_away(peaks_gib, ce
     assert memory.predict(large) < 1.5 * true_gib * GiB
 
 
-def test_after_an_out_of_memory_probe_the_batch_steps_down_by_how_far_the_prediction_was_off() -> None:
-    # As on an H100 (polyglot-ko-1.3b bf16 compiled, 2026-11-27): the fp32 baseline measured, the expert's
-    # batch 56 predicted under the 75.67 GiB ceiling ran out of memory. The batch to try next steps down by
-    # the factor the prediction was at least low by (56 -> 40 here), not to half (24: its compilation
-    # outran the budget, where 48 fits).
+def test_after_an_out_of_memory_probe_the_batch_steps_down_to_even_odds_of_fitting() -> None:
+    # As on an H100 (polyglot-ko-1.3b bf16 compiled, seq 512, 2026-11-27 and -28): the fp32 baseline
+    # measured, the expert's batch 56 predicted under the 75.67 GiB ceiling ran out of memory; batch 48
+    # fits there (68.17 GiB), 40 was 0.96 of its throughput. The next batch is the one that fits at the
+    # median error given the miss, 48, not 56 divided by the miss twice (40) or halved (24).
     from autotune.models import resolve_model
     from autotune.space import load_space
 
@@ -325,9 +326,20 @@ def test_after_an_out_of_memory_probe_the_batch_steps_down_by_how_far_the_predic
     assert predicted is not None and predicted < ceiling
     memory.observe(expert, _oom())
     static = predicted - 56 * (memory.predict(expert.replace(per_device_train_batch_size=57)) - predicted)
-    expected = int(56 * (predicted - static) / (ceiling - static))
-    largest = memory.largest_batch_that_fits(expert, sizes, ceiling)
-    assert largest == max(b for b in sizes if b <= expected) and 56 // 2 < largest < 56
+    ratio = (ceiling - static) / (predicted - static)
+    assert ratio > 1.3  # the miss the fp32 baseline left
+    expected = int(56 * ratio / median_error_beyond(ratio, memory._activation_log_sd()))
+    assert memory.largest_batch_that_fits(expert, sizes, ceiling) == max(b for b in sizes if b <= expected) == 48
+
+
+def test_the_step_after_a_miss_grows_with_the_miss_beyond_the_models_uncertainty() -> None:
+    # A small miss of a confident model steps down little; a miss far beyond its uncertainty steps down
+    # more (heavy tails: the model is wrong there), and never less than the miss itself.
+    steps = [ratio / median_error_beyond(ratio, 0.22) for ratio in (1.5, 2.0, 4.0, 10.0, 100.0)]
+    assert all(later < earlier for earlier, later in zip(steps, steps[1:]))
+    assert all(median_error_beyond(ratio, sd) >= ratio for ratio in (1.001, 1.2, 3.0, 50.0) for sd in (0.1, 0.22, 0.41))
+    assert 0.8 < 1.1 / median_error_beyond(1.1, 0.22) < 0.95  # about one Tensor-Core step at batch 56
+    assert median_error_beyond(1.1, 0.41) > median_error_beyond(1.1, 0.22)  # a less certain model steps further
 
 
 def test_after_an_out_of_memory_probe_the_model_already_predicted_the_batch_steps_down_one() -> None:

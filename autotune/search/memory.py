@@ -656,12 +656,18 @@ class MemoryModel:
     def _limit_after_oom(self, params: TrialParams, oom_batch: int, ceiling_bytes: int) -> int:
         """The largest batch worth trying after ``oom_batch`` ran out of memory in a group where nothing fit yet.
 
-        The out-of-memory probe says the prediction for ``oom_batch`` was low by at least ``r = (ceiling -
-        static) / (predicted - static)`` in its per-sample part; the batch steps down by that factor
-        (``oom_batch / r``), the least the evidence asks for taken once more as the margin, and by at
-        least one (a model that already predicted the OOM has nothing to correct). With no prediction, or a
-        static part over the ceiling, it halves. On an H100 (polyglot-ko-1.3b bf16 compiled, 2026-11-27) the
-        prediction at 56 was 8 % low: halving tried 24 and its compilation outran the budget, where 48 fits.
+        The out-of-memory probe says the prediction's per-sample part was low by at least ``r = (ceiling -
+        static) / (predicted - static)``. The model's own uncertainty of that part (a heavy-tailed log
+        error of scale :meth:`_activation_log_sd`, :func:`median_error_beyond`) conditioned on the error
+        being at least ``r`` has a median ``f``; the limit is the batch that fits with that median error,
+        ``oom_batch * r / f``: even odds of fitting, and the nearest such batch. A small miss of a confident
+        model steps down little (x0.88 at r = 1.1 with model dims); a miss far beyond the model's
+        uncertainty says the model is wrong there, so it steps down more (x0.6 at r = 4). By at
+        least one (a model that already predicted the OOM has nothing to correct). With no prediction, or
+        a static part over the ceiling, it halves. On an H100 (polyglot-ko-1.3b bf16 compiled, seq 512,
+        2026-11-27 and -28) the fp32 baseline's one peak left the prediction at 56 35 % low: the median
+        rule tries 48 (68.2 GiB under the 75.7 GiB ceiling, the expert's batch); dividing by ``r`` once
+        more tried 40, 0.96 of it.
         """
         candidate = TrialParams.from_dict({**params.to_dict(), "per_device_train_batch_size": oom_batch})
         predicted = self.predict(candidate)
@@ -673,7 +679,13 @@ class MemoryModel:
         if predicted >= ceiling_bytes:
             return oom_batch - 1
         ratio = (ceiling_bytes - static) / (predicted - static)
-        return max(1, min(oom_batch - 1, int(oom_batch / ratio)))
+        median_error = median_error_beyond(ratio, self._activation_log_sd())
+        return max(1, min(oom_batch - 1, int(oom_batch * ratio / median_error)))
+
+    def _activation_log_sd(self) -> float:
+        """The prior sd of the log error of a group's predicted activations: its class's factors and its own deviation."""
+        factor_sd = FACTOR_SD_ANALYTIC if self.dims is not None else FACTOR_SD_GENERIC
+        return math.hypot(factor_sd, CLASS_SD)
 
     def largest_batch_that_fits(self, params: TrialParams, batch_sizes: Iterable[int], ceiling_bytes: int) -> int | None:
         """The largest of ``batch_sizes`` predicted (or measured) to fit ``params``' group under the ceiling."""
@@ -699,6 +711,27 @@ class MemoryModel:
                 break
             best = batch
         return best
+
+
+def median_error_beyond(ratio: float, log_sd: float) -> float:
+    """The median of the model's error factor given that it is at least ``ratio``: the log error a
+    Student-t of 3 degrees of freedom and scale ``log_sd`` (heavy-tailed: a miss far beyond the
+    model's uncertainty says the model is wrong there, not by how little)."""
+    low = math.log(ratio) / log_sd
+    target = (1.0 + _t3_cdf(low)) / 2
+    high = max(low, 1.0)
+    while _t3_cdf(high) < target:
+        high *= 2
+    for _ in range(60):  # bisection to well under a batch size's resolution
+        middle = (low + high) / 2
+        low, high = (middle, high) if _t3_cdf(middle) < target else (low, middle)
+    return max(ratio, math.exp(log_sd * high))
+
+
+def _t3_cdf(t: float) -> float:
+    """Student's t distribution with 3 degrees of freedom: its cumulative distribution at ``t``."""
+    x = t / math.sqrt(3.0)
+    return 0.5 + (x / (1.0 + x * x) + math.atan(x)) / math.pi
 
 
 def _line(fits: dict[int, int]) -> tuple[float, float] | None:
