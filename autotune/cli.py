@@ -238,22 +238,23 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from autotune.api import RunOptions, plan_run, run_plan
     from autotune.console import LiveProgress
     from autotune.studies import opening, writing
-    from autotune.workers import PARENT_RUN_ENV, options_for_worker, parse_gpus, run_workers, worker_devices
+    from autotune.workers import PARENT_RUN_ENV, options_for_worker, parse_gpus, require_probe_settings, run_workers, worker_devices
 
     if os.environ.get(PARENT_RUN_ENV):  # started by `autotune run --gpus`: end with it, even if it is kill -9'd
         from autotune.probe.lifetime import die_with_parent
 
         die_with_parent()
     study = opening.load_existing(args.study, args.storage)
-    settings = {**opening.settings_of(study), "deadline_unix_s": writing.deadline_unix_s(study)}
+    settings = opening.study_settings(study)
     gpus = parse_gpus(args.gpus)
     if gpus is not None:  # one worker process per GPU, each of them this command with --device cuda:N
-        nproc = int(settings.get("nproc_per_probe") or 1)  # the study's probes span this many GPUs: one worker per group
-        outcome = run_workers(study, args.storage, worker_devices(gpus, nproc), int(settings["memory_ceiling_bytes"]),
+        # The study's probes span nproc_per_probe GPUs: one worker per group.
+        outcome = run_workers(study, args.storage, worker_devices(gpus, settings.nproc_per_probe),
+                              require_probe_settings(settings, args.study),
                               n_trials=args.n_trials)
         return stopped_exit_code() if outcome.stopped_because == "interrupted" else 0
-    options = options_for_worker(settings, storage=args.storage, study=args.study, device=args.device, budget=args.budget,
-                                 n_trials=args.n_trials, seed_offset=1 + os.getpid() % 10_000)
+    options = options_for_worker(settings, deadline_unix_s=writing.deadline_unix_s(study), storage=args.storage, study=args.study,
+                                 device=args.device, budget=args.budget, n_trials=args.n_trials, seed_offset=1 + os.getpid() % 10_000)
     plan = plan_run(RunOptions(**options))
     console = Console(highlight=False, quiet=args.quiet)
     live = LiveProgress(console, budget_s=plan.settings.budget_s, n_trials=plan.settings.n_trials, ceiling_bytes=plan.memory_ceiling_bytes)

@@ -27,7 +27,7 @@ from autotune.search.strategies.registry import DEFAULT_STRATEGY, make_strategy
 from autotune.space import NO_EFFECT_ON_CPU, Dropped, SearchSpace, parse_space, read_space_data
 from autotune.storage import DEFAULT_STORAGE
 from autotune.studies import opening
-from autotune.studies.settings import ProbeSettings
+from autotune.studies.settings import TRAINING_ARGUMENTS, ProbeSettings, StudySettings
 from autotune.units import format_bytes, parse_bytes, parse_duration_s
 from autotune.version import __version__
 
@@ -106,44 +106,48 @@ class RunPlan:
         return MemoryModel(ModelDims.from_spec(self.model, counts=self.parameters), self.seq_len, world=self.nproc_per_probe)
 
     def study_attrs(self, command: str | None) -> dict[str, Any]:
+        """What the study stores about this run (:class:`~autotune.studies.settings.StudySettings`, as its JSON)."""
+        return self.study_settings(command).to_dict()
+
+    def study_settings(self, command: str | None) -> StudySettings:
         from autotune.models import count_parameters
 
-        return {
-            "autotune_version": __version__,
-            "model": self.model.name,
-            "model_source": self.model.source,
-            "model_config_sha1": opening.config_hash(self.model.config),
-            "num_parameters": self.parameters.total if self.trainer else count_parameters(self.model),
-            "seq_len": self.seq_len,
-            "device": self.device.to_dict(),
-            "memory_ceiling_bytes": self.memory_ceiling_bytes,
-            "space": self.space.to_dict(),
+        return StudySettings(
+            autotune_version=__version__,
+            model=self.model.name,
+            model_source=self.model.source,
+            model_config_sha1=opening.config_hash(self.model.config),
+            num_parameters=self.parameters.total if self.trainer else count_parameters(self.model),
+            seq_len=self.seq_len,
+            device=self.device.to_dict(),
+            memory_ceiling_bytes=self.memory_ceiling_bytes,
+            space=self.space.to_dict(),
             # Samples per optimizer step over every process of a probe (what --effective-batch-size said); the space's is one rank's.
-            "effective_batch_size": self.space.effective_batch_size * self.nproc_per_probe if self.space.effective_batch_size else None,
-            "baseline": self.baseline.to_dict(),
-            "dataset": self.dataset.to_dict() if self.dataset else None,
-            "strategy": self.strategy,
-            "peft": self.peft.to_dict() if self.peft else None,
-            "parameters": self.parameters.to_dict() if self.parameters else None,
-            "trainer": self.trainer_identity(),
-            "expert": self.expert.to_dict() if self.expert else None,
-            "objective": self.objective,
-            "nproc_per_probe": self.nproc_per_probe,
-            "host_memory_ceiling_bytes": self.host_memory_ceiling_bytes,
-            "baseline_source": self.baseline_source,
-            "config_class": self.trainer.config_class if self.trainer else "transformers.training_args.TrainingArguments",
-            "user_config": self.trainer.user_config if self.trainer else None,
+            effective_batch_size=self.space.effective_batch_size * self.nproc_per_probe if self.space.effective_batch_size else None,
+            baseline=self.baseline.to_dict(),
+            dataset=self.dataset.to_dict() if self.dataset else None,
+            strategy=self.strategy,
+            peft=self.peft.to_dict() if self.peft else None,
+            parameters=self.parameters.to_dict() if self.parameters else None,
+            trainer=self.trainer_identity(),
+            expert=self.expert.to_dict() if self.expert else None,
+            objective=self.objective,
+            nproc_per_probe=self.nproc_per_probe,
+            host_memory_ceiling_bytes=self.host_memory_ceiling_bytes,
+            baseline_source=self.baseline_source,
+            config_class=self.trainer.config_class if self.trainer else TRAINING_ARGUMENTS,
+            user_config=self.trainer.user_config if self.trainer else None,
             # What a worker joining from elsewhere needs to probe exactly as this run does (autotune.workers).
-            "probe": ProbeSettings(
+            probe=ProbeSettings(
                 warmup_steps=self.warmup_steps, measure_steps=self.measure_steps,
                 trial_timeout_s=self.settings.trial_timeout_s, seed=self.settings.seed, isolation=self.isolation,
                 trainer_sys_path=self.trainer.ref.sys_path if self.trainer else None,
                 trainer_attn_flag=bool(self.trainer and self.trainer.takes_attn_flag),
                 tokens_per_sample=self.tokens_per_sample,
-            ).to_dict(),
-            "command": command,
-            "versions": package_versions(),
-        }
+            ),
+            command=command,
+            versions=package_versions(),
+        )
 
 
 def _named_files(argv: Sequence[str], ref: Any) -> dict[str, str]:

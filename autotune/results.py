@@ -22,6 +22,7 @@ from autotune.search.ranking import rank_configurations
 from autotune.sharding import parse as sharding_of
 from autotune.studies import opening, reading, schema
 from autotune.studies.schema import ATTR_DUPLICATE_OF, ATTR_PARAMS, ATTR_PREDICTED_PEAK, ATTR_REASON, ATTR_REMEASURE_OF, ATTR_RESULT, ATTR_STATUS
+from autotune.studies.settings import StudySettings
 
 RESULT_COLUMNS = (
     "samples_per_s",
@@ -250,20 +251,25 @@ class TuneResult:
     study_name: str
     storage: Any  # the storage string, or the Optuna storage object tune() was given (autotune.storage.describe shows it)
     trials: pd.DataFrame
-    settings: dict[str, Any] = field(default_factory=dict)
+    settings: dict[str, Any] = field(default_factory=dict)  # as stored (opening.settings_of): read them as study_settings
     stopped_because: str | None = None
     _configurations: tuple[Any, pd.DataFrame] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def study_settings(self) -> StudySettings:
+        """The run's settings, read from :attr:`settings` (each time: they may be changed in place)."""
+        return StudySettings.from_dict(self.settings)
 
     # ------------------------------------------------------------------ rankings
 
     @property
     def measured_on_cpu(self) -> bool:
         """Whether the study's probes ran on a CPU (a study that records no device: as on a GPU)."""
-        return (self.settings.get("device") or {}).get("kind") == "cpu"
+        return self.study_settings.device.get("kind") == "cpu"
 
     @property
     def memory_ceiling_bytes(self) -> int | None:
-        return self.settings.get("memory_ceiling_bytes")
+        return self.study_settings.memory_ceiling_bytes
 
     def configurations(self) -> pd.DataFrame:
         """One row per configuration (its probes aggregated), ranked: see :func:`configurations_frame`."""
@@ -308,7 +314,7 @@ class TuneResult:
             rows = self.trials[self.trials["is_baseline"]]
         else:
             rows = self.trials[self.trials["role"] == role] if "role" in self.trials.columns else self.trials.iloc[0:0]
-            stored = self.settings.get(role)
+            stored = self.study_settings.expert if role == schema.ROLE_EXPERT else None
             if rows.empty and isinstance(stored, dict) and not self.trials.empty:  # measured under another role (the expert
                 rows = self.trials[same_params(self.trials, stored) & self.trials["duplicate_of"].isna()]  # rule is the baseline)
         return None if rows.empty else {k: _py(v) for k, v in rows.iloc[0].to_dict().items()}
@@ -342,12 +348,12 @@ class TuneResult:
     @property
     def baseline_label(self) -> str:
         """What the baseline is, for a sentence: ``your settings``, ``your --baseline``, ``transformers' defaults``."""
-        return baseline_label(self.settings.get("baseline_source"))
+        return baseline_label(self.study_settings.baseline_source)
 
     @property
     def objective(self) -> str:
         """What configurations are ranked by: ``tokens`` (samples/s is tokens/s over the data's tokens per sequence) or ``samples``."""
-        return str(self.settings.get("objective") or "samples")
+        return self.study_settings.objective
 
     def speedups_line(self) -> str:
         """``1.49x your settings, 1.02x the expert rule``: the best against every reference this study measured."""
@@ -390,7 +396,7 @@ class TuneResult:
         if params is None:
             raise no_result_error(self)
         trial_params = TrialParams.from_dict(params)
-        own = self.settings.get("user_config")
+        own = self.study_settings.user_config
         if own is not None:  # the user's own config, the tuned fields on top
             kwargs = {k: v for k, v in own.items() if k not in PROBE_FIELDS}
             kwargs.update(config_overrides(trial_params))
@@ -403,7 +409,7 @@ class TuneResult:
     @property
     def config_class(self) -> str:
         """The class the configuration is for, ``module.Class`` (``transformers.training_args.TrainingArguments`` for a --model run)."""
-        return str(self.settings.get("config_class") or "transformers.training_args.TrainingArguments")
+        return self.study_settings.config_class
 
     def best_training_arguments(self, output_dir: str = "trainer_output", **overrides: Any) -> Any:
         """The best configuration as an instance of the user's config class (``TrainingArguments``, TRL's ``SFTConfig``...).
@@ -426,15 +432,17 @@ class TuneResult:
     def peft_note(self) -> str | None:
         """What the probes wrapped the model in (LoRA adapters), as one line naming the ``peft`` call
         to repeat; None for a study that trained every weight (see :mod:`autotune.lora`)."""
-        if not self.settings.get("peft"):
+        settings = self.study_settings
+        lora = settings.lora
+        if lora is None:
             return None
-        from autotune.lora import LoraSettings, note
+        from autotune.lora import note
 
-        return note(LoraSettings.from_dict(self.settings["peft"]), self.settings.get("parameters"))
+        return note(lora, settings.parameters)
 
     def ranks_note(self) -> str | None:
         """For a study whose probes ran several processes: how to launch the best (its batch is per device)."""
-        n = int(self.settings.get("nproc_per_probe") or 1)
+        n = self.study_settings.nproc_per_probe
         return f"per device, measured as {n} data-parallel processes: launch with torchrun --nproc-per-node {n}" if n > 1 else None
 
     def best_json(self) -> dict[str, Any]:
@@ -520,7 +528,8 @@ def no_result_error(result: TuneResult) -> NothingFits | NoResult:
 
 def _memory_advice(result: TuneResult, package_available: Any) -> list[str]:
     """What could make a configuration fit, naming only changes this study has not tried."""
-    space = (result.settings.get("space") or {}).get("choices") or {}
+    settings = result.study_settings
+    space = (settings.space or {}).get("choices") or {}
     advice = []
     if True not in space.get("gradient_checkpointing", [True]):
         advice.append("allow gradient_checkpointing: [true] in the space")
@@ -533,7 +542,7 @@ def _memory_advice(result: TuneResult, package_available: Any) -> list[str]:
             advice.append("allow an 8-bit optimizer (adamw_bnb_8bit) in the space")
         else:
             advice.append("pip install bitsandbytes and allow adamw_bnb_8bit in the space")
-    dropped = " ".join(str(d) for d in (result.settings.get("space") or {}).get("dropped") or ())
+    dropped = " ".join(settings.dropped)
     if (gpu and True not in space.get("use_liger_kernel", [False]) and "use_liger_kernel=" not in dropped
             and package_available("liger_kernel")):
         advice.append("allow use_liger_kernel: [true] in the space (its fused cross-entropy keeps no logits)")
@@ -544,7 +553,7 @@ def _memory_advice(result: TuneResult, package_available: Any) -> list[str]:
     if batches and min(batches) > 1:
         advice.append(f"allow per_device_train_batch_size below {min(batches)}")
     advice.append("use a shorter --seq-len")
-    total = (result.settings.get("device") or {}).get("total_memory_bytes")
+    total = settings.device.get("total_memory_bytes")
     if total and result.memory_ceiling_bytes and result.memory_ceiling_bytes < total:
         advice.append("or raise --memory-ceiling")
     return advice
@@ -604,7 +613,7 @@ def load_result(study_name: str, storage: Any, *, stopped_because: str | None = 
     return TuneResult(
         study_name=study_name,
         storage=storage,
-        trials=trials_frame(study, settings.get("memory_ceiling_bytes")),
+        trials=trials_frame(study, StudySettings.from_dict(settings).memory_ceiling_bytes),
         settings=settings,
         stopped_because=stopped_because or opening.last_stop(settings),
     )
@@ -639,12 +648,12 @@ def list_studies(storage: Any) -> list[StudyRow]:
                                  best_config="-", foreign=True))
             continue
         result = load_result(name, storage)
-        settings = result.settings
+        settings = result.study_settings
         best = result.best
         rows.append(StudyRow(
             name=name,
-            model=str(settings.get("model", "?")),
-            device=str((settings.get("device") or {}).get("name", "?")),
+            model=str(settings.model or "?"),
+            device=str(settings.device.get("name", "?")),
             n_trials=len(result.trials),
             counts=result.counts(),
             best_samples_per_s=float(best["samples_per_s"]) if best is not None else None,

@@ -38,7 +38,7 @@ from autotune.records import ProbeStatus
 from autotune.search.loop import SearchOutcome, TrialRecord
 from autotune.space import SearchSpace
 from autotune.studies import reading, schema
-from autotune.studies.settings import ProbeSettings
+from autotune.studies.settings import StudySettings
 
 PARENT_RUN_ENV = "AUTOTUNE_PARENT_RUN"  # set for workers that `autotune run --gpus` starts: they die with it
 FOLLOW_POLL_S = 1.0
@@ -94,51 +94,61 @@ def worker_devices(gpus: Sequence[int], nproc_per_probe: int = 1) -> list[str]:
     return [f"cuda:{group[0]}" for group in groups]
 
 
+def require_probe_settings(settings: StudySettings, study: str) -> int:
+    """The study's memory ceiling, once it is known to record everything a worker needs to probe as its run does.
+
+    Raises:
+        UsageError: it does not (a study made before workers could join one).
+    """
+    ceiling = settings.memory_ceiling_bytes
+    if settings.probe is None or not settings.space or ceiling is None or settings.seq_len is None:
+        raise UsageError(f"study {study!r} does not record its run's probe settings (made by an older autotune?): "
+                         "start a new study with `autotune run`")
+    return int(ceiling)
+
+
 def options_for_worker(
-    settings: dict[str, Any], *, storage: str, study: str, device: str, budget: str | float | None, n_trials: int | None,
-    seed_offset: int,
+    settings: StudySettings, *, deadline_unix_s: float | None, storage: str, study: str, device: str, budget: str | float | None,
+    n_trials: int | None, seed_offset: int,
 ) -> dict[str, Any]:
     """The :class:`~autotune.options.RunOptions` (as keywords) of the run that made a study, for a worker that joins it.
 
-    The budget is the time left to the study's shared deadline unless ``budget`` or ``n_trials`` is given.
+    The budget is the time left to the study's shared deadline (``deadline_unix_s``, ``time.time()``; None: none was
+    recorded) unless ``budget`` or ``n_trials`` is given.
 
     Raises:
         UsageError: the study was not made by this version's ``autotune run`` (no probe settings), or
             its shared budget has ended and neither ``budget`` nor ``n_trials`` is given.
     """
-    if not settings.get("probe") or not settings.get("space"):
-        raise UsageError(f"study {study!r} does not record its run's probe settings (made by an older autotune?): "
-                         "start a new study with `autotune run`")
-    probe = ProbeSettings.from_dict(settings["probe"])
+    probe, ceiling, seq_len = settings.probe, require_probe_settings(settings, study), settings.seq_len
     if budget is None and n_trials is None:
-        deadline = settings.get("deadline_unix_s")
-        left_s = deadline - time.time() if deadline else 0.0
+        left_s = deadline_unix_s - time.time() if deadline_unix_s else 0.0
         if left_s <= 1.0:
             raise UsageError(f"the shared budget of study {study!r} has ended: give --budget (e.g. 30m) or --n-trials to work on")
         budget = left_s
-    dataset = settings.get("dataset") or {}
-    peft = settings.get("peft") or {}
+    dataset = settings.dataset or {}
+    peft = settings.peft or {}
     targets = peft.get("target_modules")
     trainer, trainer_args, objective = None, None, None
-    if settings.get("trainer"):  # the run's own factory: its model and batches, imported as the run imported it
+    identity = settings.trainer_identity
+    if identity:  # the run's own factory: its model and batches, imported as the run imported it
         from autotune.probe.user_trainer import TrainerRef
 
-        identity = settings["trainer"] if isinstance(settings["trainer"], dict) else {"reference": settings["trainer"]}
         target, _, function = str(identity["reference"]).rpartition(":")
         trainer = TrainerRef(target=target, function=function, sys_path=probe.trainer_sys_path)
         trainer_args, objective = identity.get("args"), identity.get("objective")
     return dict(
-        model=None if trainer else settings["model"], trainer=trainer, budget=budget, n_trials=n_trials, space=SearchSpace.from_dict(settings["space"]),
-        memory_ceiling=int(settings["memory_ceiling_bytes"]), effective_batch_size=settings.get("effective_batch_size"),
-        seq_len=None if trainer else int(settings["seq_len"]), device=device, storage=storage, study=study,
+        model=None if trainer else settings.model, trainer=trainer, budget=budget, n_trials=n_trials, space=SearchSpace.from_dict(settings.space),
+        memory_ceiling=int(ceiling), effective_batch_size=settings.effective_batch_size,
+        seq_len=None if trainer else int(seq_len), device=device, storage=storage, study=study,
         seed=probe.seed + seed_offset, trial_timeout=probe.trial_timeout_s,
         warmup_steps=probe.warmup_steps, measure_steps=probe.measure_steps,
         dataset=dataset.get("path"), text_column=dataset.get("text_column", defaults.TEXT_COLUMN), tokenizer=dataset.get("tokenizer"),
-        strategy=settings.get("strategy") or defaults.STRATEGY, isolation=probe.isolation,
+        strategy=settings.strategy, isolation=probe.isolation,
         peft=peft.get("method"), lora_r=peft.get("r"), lora_alpha=peft.get("alpha"), lora_dropout=peft.get("dropout"),
         lora_target_modules=list(targets) if targets else None,
-        trainer_args=trainer_args, objective=objective, baseline=_baseline_fields(settings.get("baseline")),
-        nproc_per_probe=int(settings.get("nproc_per_probe") or 1),  # the host-memory ceiling is the worker machine's own
+        trainer_args=trainer_args, objective=objective, baseline=_baseline_fields(settings.baseline),
+        nproc_per_probe=settings.nproc_per_probe,  # the host-memory ceiling is the worker machine's own
     )
 
 

@@ -222,6 +222,7 @@ def _options(tmp_path, **values) -> RunOptions:
 
 def test_plan_records_the_adapters_as_study_identity(tmp_path) -> None:
     from autotune.studies import opening
+    from autotune.studies.settings import StudySettings
     from autotune.workers import options_for_worker
 
     plan = plan_run(_options(tmp_path, peft="lora", lora_r=16, lora_alpha=32, lora_target_modules="query_key_value,dense"))
@@ -235,7 +236,8 @@ def test_plan_records_the_adapters_as_study_identity(tmp_path) -> None:
     assert opening.mismatch(attrs, other.study_attrs(None)) == "was made with a different peft (alpha: 32.0 then, 16.0 now)"
     assert opening.mismatch({**attrs, "peft": None}, plan_run(_options(tmp_path)).study_attrs(None)) is None
     # A worker joining the study probes with the same adapters.
-    joined = options_for_worker(attrs, storage="sqlite://", study=plan.study_name, device="cpu", budget="1m", n_trials=None, seed_offset=1)
+    joined = options_for_worker(StudySettings.from_dict(attrs), deadline_unix_s=None, storage="sqlite://", study=plan.study_name,
+                                device="cpu", budget="1m", n_trials=None, seed_offset=1)
     assert plan_run(RunOptions(**{**joined, "storage": f"sqlite:///{tmp_path / 'a.db'}"})).peft == plan.peft
 
 

@@ -176,6 +176,7 @@ def test_a_module_factory_plans_its_study_and_warns_about_changed_arguments(tmp_
 
     from autotune.console import print_header
     from autotune.studies import opening
+    from autotune.studies.settings import StudySettings
     from autotune.workers import options_for_worker
 
     package = tmp_path / "project" / "mypkg"
@@ -198,7 +199,8 @@ def test_a_module_factory_plans_its_study_and_warns_about_changed_arguments(tmp_
     assert attrs["num_parameters"] == 12_704 and "trainer" in opening.IDENTITY_KEYS
     # A worker joining from another directory imports the module as the run did, and finds the same study.
     monkeypatch.chdir(tmp_path)
-    joined = options_for_worker(attrs, storage="sqlite://", study=plan.study_name, device="cpu", budget="1m", n_trials=None, seed_offset=1)
+    joined = options_for_worker(StudySettings.from_dict(attrs), deadline_unix_s=None, storage="sqlite://", study=plan.study_name,
+                                device="cpu", budget="1m", n_trials=None, seed_offset=1)
     assert joined["model"] is None and joined["seq_len"] is None
     worker = plan_run(RunOptions(**{**joined, "storage": f"sqlite:///{tmp_path / 'a.db'}"}))
     assert opening.mismatch(attrs, worker.study_attrs(None)) is None

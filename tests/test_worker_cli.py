@@ -53,15 +53,16 @@ def test_a_worker_rebuilds_the_run_from_the_study_and_its_deadline(tmp_path) -> 
     storage = f"sqlite:///{tmp_path / 'a.db'}"
     plan = plan_run(RunOptions(storage=storage, study="s", budget="20m", device="cpu", trial_timeout="2m", seed=5, **COMMON))
     study = open_study(plan)
-    settings = {**opening.settings_of(study), "deadline_unix_s": time.time() + 600}
-    options = options_for_worker(settings, storage=storage, study="s", device="cpu", budget=None, n_trials=None, seed_offset=3)
+    settings = opening.study_settings(study)
+    options = options_for_worker(settings, deadline_unix_s=time.time() + 600, storage=storage, study="s", device="cpu", budget=None,
+                                 n_trials=None, seed_offset=3)
     joined = plan_run(RunOptions(**options))
     assert joined.study_name == "s" and joined.space.to_dict() == plan.space.to_dict()
     assert joined.seq_len == 32 and joined.warmup_steps == 1 and joined.settings.trial_timeout_s == 120
     assert joined.settings.seed == 8 and 590 < joined.settings.budget_s <= 600  # the study's deadline, not its own
     assert opening.mismatch(opening.settings_of(study), joined.study_attrs(None), ("model_config_sha1", "space", "seq_len")) is None
     with pytest.raises(UsageError, match="shared budget .* has ended: give --budget"):
-        options_for_worker({**settings, "deadline_unix_s": time.time() - 5}, storage=storage, study="s", device="cpu",
+        options_for_worker(settings, deadline_unix_s=time.time() - 5, storage=storage, study="s", device="cpu",
                            budget=None, n_trials=None, seed_offset=1)
     # A device of another kind does not join: one line, nothing written.
     other = DeviceInfo(kind="cpu", name="CPU: another machine (64 cores)", total_memory_bytes=plan.device.total_memory_bytes)

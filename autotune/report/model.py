@@ -33,7 +33,7 @@ from autotune.report.formatting import Kind, format_count, format_value, is_miss
 from autotune.results import TuneResult, no_result_error, same_params, short_config
 from autotune.space import SearchSpace
 from autotune.storage import DEFAULT_STORAGE
-from autotune.studies.settings import ProbeSettings
+from autotune.studies.settings import ProbeSettings, RunLog, StudySettings
 from autotune.units import format_bytes, format_duration
 
 # A trial's outcome in the report: the probe's status, except that a finished probe over the
@@ -231,7 +231,7 @@ def default_settings_trials(result: TuneResult) -> pd.DataFrame:
         return frame.iloc[0:0]
     fixed = tuple(n for n in PARAM_NAMES if n not in ("per_device_train_batch_size", "gradient_accumulation_steps"))
     mask = same_params(frame, baseline, fixed)
-    if not result.settings.get("effective_batch_size"):
+    if not result.study_settings.effective_batch_size:
         mask &= frame["gradient_accumulation_steps"] == baseline.get("gradient_accumulation_steps")
     return frame[mask & frame["duplicate_of"].isna()]
 
@@ -271,32 +271,29 @@ def time_used(frame: pd.DataFrame) -> tuple[float | None, float | None]:
 # ---------------------------------------------------------------------------------------- code
 
 
-def model_reference(settings: dict[str, Any]) -> tuple[str, str]:
+def model_reference(settings: StudySettings) -> tuple[str, str]:
     """(what to pass to ``from_pretrained``, a comment) for the study's model."""
-    name = str(settings.get("model") or "your-model")
-    hub_id = settings.get("model_hub_id")
-    if not hub_id and settings.get("model_source") == "builtin":
-        try:
-            from autotune.models import resolve_model
+    name = str(settings.model or "your-model")
+    if settings.model_source != "builtin":
+        return name, ""
+    try:
+        from autotune.models import resolve_model
 
-            hub_id = resolve_model(name).hub_id
-        except Exception:  # noqa: BLE001 - the comment below says what to do instead
-            hub_id = None
+        hub_id = resolve_model(name).hub_id
+    except Exception:  # noqa: BLE001 - the comment below says what to do instead
+        hub_id = None
     if hub_id:
         return str(hub_id), ""
-    if settings.get("model_source") == "builtin":
-        return name, "  # a built-in test config: load your own checkpoint here"
-    return name, ""
+    return name, "  # a built-in test config: load your own checkpoint here"
 
 
 def _peft_lines(result: TuneResult) -> list[str]:
     """A LoRA study's adapters, as the probes applied them (TrainingArguments has no field for them)."""
-    settings = result.settings.get("peft")
-    if not settings:
+    lora = result.study_settings.lora
+    if lora is None:
         return []
-    from autotune.lora import QLORA_BASE_CODE, LoraSettings, settings_code
+    from autotune.lora import QLORA_BASE_CODE, settings_code
 
-    lora = LoraSettings.from_dict(settings)
     lines = [f"# measured with {lora.describe()}: the same adapters (peft; not tuned)", "from peft import LoraConfig, get_peft_model",
              f"model = get_peft_model(model, {settings_code(lora)})"]
     if lora.quantized:
@@ -319,13 +316,13 @@ def training_arguments_code(result: TuneResult) -> str:
     """
     kwargs = result.best_kwargs()
     attn = kwargs.pop("attn_implementation")
-    model, comment = model_reference(result.settings)
+    settings = result.study_settings
+    model, comment = model_reference(settings)
     model_line = f"model = AutoModelForCausalLM.from_pretrained({_literal(model)}, attn_implementation={_literal(attn)}){comment}"
     module, _, class_name = result.config_class.rpartition(".")
     module = "transformers" if module.startswith("transformers.") else "trl" if module.startswith("trl.") else module
-    identity = result.settings.get("trainer")
+    identity = settings.trainer_identity
     if identity:  # a user's factory (--trainer) builds the model and the Trainer from these arguments
-        identity = identity if isinstance(identity, dict) else {"reference": identity}
         function = str(identity["reference"]).rpartition(":")[2]
         model_line = f"# your factory ({identity['reference']}): trainer = {function}(args, attn_implementation={_literal(attn)})"
         if identity.get("args") is not None:
@@ -333,7 +330,7 @@ def training_arguments_code(result: TuneResult) -> str:
                           "model loading (TRL: --attn_implementation)")
     best = result.best
     speed = f"{float(best['samples_per_s']):,.1f} samples/s" if best is not None else ""
-    device = result.settings.get("device", {}).get("name", "?")
+    device = settings.device.get("name", "?")
     precision = str(best["precision"]) if best is not None else "fp32"
     lines = [
         "import torch",
@@ -411,26 +408,23 @@ def _problems(frame: pd.DataFrame) -> tuple[Problem, ...]:
 
 
 def _summary(result: TuneResult, n_trials: int, counts: dict[str, int]) -> tuple[tuple[str, str], ...]:
-    s = result.settings
-    device = s.get("device") or {}
-    items: list[tuple[str, str]] = [("Model", str(s.get("model", "?")) + (f" ({s['model_source']})" if s.get("model_source") else ""))]
-    if s.get("num_parameters"):
-        items.append(("Parameters", format_count(s["num_parameters"])))
-    if s.get("trainer"):  # a user's Trainer factory (--trainer): its model as it trains, adapters included
-        sizes = s.get("parameters") or {}
-        trained = f" ({format_count(sizes['trainable'])} of {format_count(sizes['total'])} parameters trainable)" if sizes.get("total") else ""
-        items.append(("Trainer", f"{s['trainer']}{trained}"))
+    s = result.study_settings
+    device = s.device
+    items: list[tuple[str, str]] = [("Model", str(s.model or "?") + (f" ({s.model_source})" if s.model_source else ""))]
+    if s.num_parameters:
+        items.append(("Parameters", format_count(s.num_parameters)))
+    sizes = s.parameters or {}
+    trained = f" ({format_count(sizes['trainable'])} of {format_count(sizes['total'])} parameters trainable)" if sizes.get("total") else ""
+    if s.trainer:  # a user's Trainer factory (--trainer): its model as it trains, adapters included
+        items.append(("Trainer", f"{s.trainer}{trained}"))
         if sizes.get("dtypes"):
             from autotune.lora import ParameterCounts
 
             items.append(("Parameter dtypes", ParameterCounts.from_dict(sizes).describe_dtypes()))
-    if s.get("peft"):
-        from autotune.lora import LoraSettings
-
-        sizes = s.get("parameters") or {}
-        trained = f" ({format_count(sizes['trainable'])} of {format_count(sizes['total'])} parameters trainable)" if sizes.get("total") else ""
-        items.append(("Adapters", LoraSettings.from_dict(s["peft"]).describe() + trained))
-    items.append(("Sequence length", f"{s['seq_len']:,} tokens" if s.get("seq_len") else "-"))
+    lora = s.lora
+    if lora is not None:
+        items.append(("Adapters", lora.describe() + trained))
+    items.append(("Sequence length", f"{s.seq_len:,} tokens" if s.seq_len else "-"))
     dev = str(device.get("name", "?"))
     if device.get("kind") == "cpu":
         dev += " (CPU study)"
@@ -446,22 +440,23 @@ def _summary(result: TuneResult, n_trials: int, counts: dict[str, int]) -> tuple
         details.append(f"CUDA {device['cuda_version']}")
     if details:
         items.append(("Device details", ", ".join(details)))
-    items.append(("Memory ceiling", format_bytes(s.get("memory_ceiling_bytes"))))
-    if s.get("effective_batch_size"):
-        items.append(("Effective batch size", f"fixed at {s['effective_batch_size']}"))
-    if (s.get("space") or {}).get("name"):
-        space = SearchSpace.from_dict(s["space"])  # its size counts as the run's did (accumulation derived or not)
+    items.append(("Memory ceiling", format_bytes(s.memory_ceiling_bytes)))
+    if s.effective_batch_size:
+        items.append(("Effective batch size", f"fixed at {s.effective_batch_size}"))
+    if s.space and s.space.get("name"):
+        space = SearchSpace.from_dict(s.space)  # its size counts as the run's did (accumulation derived or not)
         items.append(("Search space", f"{space.name} ({space.size:,} configurations before pruning)"))
     span, probes = time_used(result.trials)
     if span is not None:
         used = f"{format_duration(span)} from the first probe's start to the last one's end"
         if probes is not None:
             used += f", {format_duration(probes)} inside probes"
-        runs = [run["budget_s"] for run in s.get("runs") or [] if run.get("budget_s")]
+        log = RunLog.from_dict(result.settings)
+        runs = log.budgets_s
         if len(runs) > 1:  # the span then holds the time between the runs too
-            used += f" (budget {format_duration(s['budget_s'])} over {len(runs)} runs: {' + '.join(format_duration(b) for b in runs)})"
-        elif s.get("budget_s"):
-            used += f" (budget {format_duration(s['budget_s'])})"
+            used += f" (budget {format_duration(log.budget_s)} over {len(runs)} runs: {' + '.join(format_duration(b) for b in runs)})"
+        elif log.budget_s:
+            used += f" (budget {format_duration(log.budget_s)})"
         items.append(("Time used", used))
     total = sum(counts.values())
     items.append(("Configurations", f"{total}: " + ", ".join(f"{n} {OUTCOME_LABELS[o]}" for o, n in counts.items()) if total else "none yet"))
@@ -470,7 +465,7 @@ def _summary(result: TuneResult, n_trials: int, counts: dict[str, int]) -> tuple
     items.append(("Trials", f"{n_trials}{again}" if n_trials else "none yet"))
     if result.stopped_because:
         items.append(("Stopped", result.stopped_because))
-    versions = s.get("versions") or {}
+    versions = s.versions
     if versions:
         items.append(("Versions", ", ".join(f"{k} {v}" for k, v in versions.items())))
     return tuple(items)
@@ -505,8 +500,8 @@ def build_report_model(result: TuneResult) -> ReportModel:
     trials = trials.assign(outcome=[outcome_of(row) for _, row in trials.iterrows()]) if not trials.empty else trials.assign(outcome=[])
     counts = {o: int((frame["outcome"] == o).sum()) for o in OUTCOMES} if not frame.empty else {}
     counts = {o: n for o, n in counts.items() if n}
-    settings = result.settings
-    device_kind = str((settings.get("device") or {}).get("kind", "?"))
+    settings = result.study_settings
+    device_kind = str(settings.device.get("kind", "?"))
     best = result.best
     comparisons: list[Comparison] = []
     notice = ""
@@ -531,7 +526,7 @@ def build_report_model(result: TuneResult) -> ReportModel:
             ))
         if result.objective == "tokens":
             headline += (" Ranked by real (non-padding) tokens/s: samples/s is tokens/s over the data's "
-                         f"{ProbeSettings.from_dict(result.settings.get('probe')).tokens_per_sample or 0:.1f} tokens per sequence.")
+                         f"{(settings.probe or ProbeSettings()).tokens_per_sample or 0:.1f} tokens per sequence.")
         changed = [name for name in (result.best_params or {}).get("extra", {}) if name in BATCH_CONTENT_FIELDS]
         if changed:
             headline += f" {', '.join(changed)} change{'s' if len(changed) == 1 else ''} what a training step sees (its sequences and their lengths), not only its speed."
@@ -573,10 +568,9 @@ def build_report_model(result: TuneResult) -> ReportModel:
         ceiling = result.memory_ceiling_bytes
         charts = (chart_throughput_vs_batch(frame), chart_memory_vs_batch(frame, ceiling), chart_history(frame),
                   chart_importance(frame), chart_pareto(frame, ceiling))
-    dropped = tuple(str(d) for d in ((settings.get("space") or {}).get("dropped") or ()))
-    command = str(settings.get("command") or "")
-    if not command and settings.get("model"):
-        command = f"autotune run --model {settings['model']} --seq-len {settings.get('seq_len')} --study {result.study_name}"
+    command = str(settings.command or "")
+    if not command and settings.model:
+        command = f"autotune run --model {settings.model} --seq-len {settings.seq_len} --study {result.study_name}"
     return ReportModel(
         study_name=result.study_name,
         title=f"autotune: {result.study_name}",
@@ -594,7 +588,7 @@ def build_report_model(result: TuneResult) -> ReportModel:
         charts=charts,
         problems=_problems(trials) if not trials.empty else (),
         n_trials=len(trials),
-        dropped=dropped,
+        dropped=settings.dropped,
         generated_note=f"study {result.study_name!r} in {storage_lib.describe(result.storage)}",
         regenerate_command=_regenerate_command(result),
     )

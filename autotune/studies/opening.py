@@ -21,12 +21,14 @@ import autotune.storage as storage_lib
 from autotune.errors import StorageFailed, UsageError
 from autotune.storage import DEFAULT_STORAGE
 from autotune.studies.schema import METRIC_NAME, STUDY_ATTR
+from autotune.studies.settings import RunLog, StudySettings
 from autotune.units import GiB
 
 # A study's identity: a resumed study must agree on these settings (the memory ceiling may change; the device is
 # checked by name, and by memory for a GPU).
 IDENTITY_KEYS = ("model_config_sha1", "seq_len", "space", "effective_batch_size", "dataset", "peft", "trainer", "baseline", "nproc_per_probe")
-# What a study made before a key existed measured: its value then (a study without ``nproc_per_probe`` ran one process per probe).
+# What a study made before a key existed measured: its value then (a study without ``nproc_per_probe`` ran one process per
+# probe). StudySettings reads a missing key as the same (tests/test_study_settings.py holds them equal).
 IDENTITY_DEFAULTS: dict[str, Any] = {"nproc_per_probe": 1}
 
 
@@ -148,8 +150,13 @@ def load_existing(study_name: str, storage: Any) -> optuna.Study:
 
 
 def settings_of(study: optuna.Study) -> dict[str, Any]:
-    """The run's settings stored with the study (empty for a study autotune did not make)."""
+    """The run's settings stored with the study, as stored (empty for a study autotune did not make); the run log too."""
     return dict(study.user_attrs.get(STUDY_ATTR, {}))
+
+
+def study_settings(study: optuna.Study) -> StudySettings:
+    """The run's settings stored with the study, read (:meth:`StudySettings.from_dict`)."""
+    return StudySettings.from_dict(settings_of(study))
 
 
 def open_or_create(
@@ -189,14 +196,15 @@ def open_or_create(
         clash = mismatch(existing, settings, must_match)
         if clash is not None:
             raise UsageError(f"study {study_name!r} {clash}: pass --study NEW_NAME to start a new one, or repeat the original options to resume it")
+    ceiling = StudySettings.from_dict(settings).memory_ceiling_bytes
     with storage_errors(storage):
         if existing is None:
             study.set_user_attr(STUDY_ATTR, settings)
             with warnings.catch_warnings():  # "experimental" since Optuna 3.2, and what the dashboard reads
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 study.set_metric_names([METRIC_NAME])
-        elif existing.get("memory_ceiling_bytes") != settings["memory_ceiling_bytes"]:
-            study.set_user_attr(STUDY_ATTR, {**existing, "memory_ceiling_bytes": settings["memory_ceiling_bytes"]})
+        elif StudySettings.from_dict(existing).memory_ceiling_bytes != ceiling:
+            study.set_user_attr(STUDY_ATTR, {**existing, "memory_ceiling_bytes": ceiling})
         _log_run(study, budget_s, n_trials)
     return study
 
@@ -225,7 +233,7 @@ def own_study_name(storage: Any, study_name: str, settings: dict[str, Any]) -> s
     existing = existing_settings(storage, study_name)
     if existing is None or mismatch(existing, settings) is None:
         return study_name
-    identity = {key: settings[key] for key in IDENTITY_KEYS} | {"device": settings["device"]["name"]}
+    identity = {key: settings[key] for key in IDENTITY_KEYS} | {"device": StudySettings.from_dict(settings).device["name"]}
     digest = hashlib.sha1(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:6]
     return f"{study_name}-{digest}"
 
@@ -240,7 +248,7 @@ def mismatch(existing: dict[str, Any], settings: dict[str, Any], must_match: Seq
                 detail = "; ".join(f"{k}: {_brief(before.get(k))} then, {_brief(now.get(k))} now" for k in parts[:2])
                 return f"was made with a different {key.replace('_sha1', '')} ({detail})"
             return f"was made with a different {key.replace('_sha1', '')}"
-    before, now = existing.get("device") or {}, settings.get("device") or {}
+    before, now = StudySettings.from_dict(existing).device, StudySettings.from_dict(settings).device
     if before.get("name") != now.get("name"):
         return f"was measured on {before.get('name')}, not {now.get('name')}"
     memory_before, memory_now = before.get("total_memory_bytes"), now.get("total_memory_bytes")
@@ -297,7 +305,7 @@ def existing_settings(storage: Any, study_name: str) -> dict[str, Any] | None:
 def _log_run(study: optuna.Study, budget_s: float | None, n_trials: int | None) -> None:
     """Append this invocation to the study's run log; ``budget_s`` is the total over all runs."""
     attrs = settings_of(study)
-    runs = [*attrs.get("runs", []), {
+    runs = [*RunLog.from_dict(attrs).runs, {
         "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "budget_s": budget_s,
         "n_trials": n_trials,
@@ -310,7 +318,7 @@ def _log_run(study: optuna.Study, budget_s: float | None, n_trials: int | None) 
 def record_stop(study: optuna.Study, stopped_because: str) -> None:
     """Note why the latest run stopped (for reports regenerated later)."""
     attrs = settings_of(study)
-    runs = attrs.get("runs") or []
+    runs = list(RunLog.from_dict(attrs).runs)
     if runs:
         runs[-1] = {**runs[-1], "stopped_because": stopped_because}
         study.set_user_attr(STUDY_ATTR, {**attrs, "runs": runs})
@@ -318,4 +326,4 @@ def record_stop(study: optuna.Study, stopped_because: str) -> None:
 
 def last_stop(settings: dict[str, Any]) -> str | None:
     """Why the latest run of a study stopped, from its run log."""
-    return (settings.get("runs") or [{}])[-1].get("stopped_because")
+    return RunLog.from_dict(settings).stopped_because
