@@ -296,6 +296,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     import json
 
     from autotune.search.estimate import estimate_table
+    from autotune.sharding import NONE
     from autotune.units import format_bytes, parse_bytes
 
     estimate = estimate_table(args.model, seq_len=args.seq_len, device_memory_bytes=parse_bytes(args.device_memory),
@@ -316,7 +317,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         print(f"{estimate.peft}: {estimate.trainable_parameters:,} trainable ({estimate.trainable_parameters / estimate.num_parameters:.3%}), "
               f"{estimate.num_parameters - estimate.trainable_parameters:,} frozen{quantized}: "
               "no gradient or optimizer state for the frozen ones")
-    sharded = any(row.sharding != "none" for row in estimate.rows)
+    sharded = any(row.sharding != NONE for row in estimate.rows)
     header = f"{'precision':<9} {'optim':<20} {'ckpt':<5} " + (f"{'sharding':<14} " if sharded else "") + \
         f"{'static':>10} {'per sample':>11} {'largest batch':>14} {'peak at it':>11}" + (f" {'host':>10}" if sharded else "")
     print(header)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+from autotune.sharding import NONE as NO_SHARDING
 from autotune.sharding import training_arguments_kwargs as sharding_kwargs
 
 # fp32 | tf32 (fp32 weights, TF32 matmuls) | fp16 | bf16 (autocast mixed precision, fp32 master weights) |
@@ -63,7 +64,7 @@ class TrialParams:
     dataloader_pin_memory: bool = True
     dataloader_persistent_workers: bool = False  # only with workers (WORKER_ONLY_PARAMS)
     dataloader_prefetch_factor: int | None = None  # batches loaded ahead per worker; None: torch's 2 (only with workers)
-    sharding: str = "none"  # DeepSpeed ZeRO stage and offload (autotune.sharding.SHARDINGS); "none": the Trainer's DDP
+    sharding: str = NO_SHARDING  # DeepSpeed ZeRO stage and offload (autotune.sharding.SHARDINGS); "none": the Trainer's DDP
     # Fields of the user's own config class that the space searches beyond the dimensions above (TRL's
     # ``packing``, ``padding_free``...), as sorted (name, value) pairs: read as attributes
     # (``params.packing``), flattened into to_dict() and the Optuna parameters, part of key().
@@ -203,7 +204,7 @@ class TrialParams:
             parts.append(f"empty-cache/{self.torch_empty_cache_steps}")
         if self.use_liger_kernel:
             parts.append("liger")
-        if self.sharding != "none":
+        if self.sharding != NO_SHARDING:
             parts.append(self.sharding)
         parts.extend(f"{name}={_short_value(value)}" for name, value in self.extra)
         return " ".join(parts)

@@ -559,9 +559,9 @@ def _offload_within(space: SearchSpace, model: Any, counts: Any, host_ceiling: i
         UsageError: no sharding value left (offload alone, without the host memory for it).
     """
     from autotune.search.memory import ModelDims, host_state_bytes
-    from autotune.sharding import incompatible
+    from autotune.sharding import NONE, incompatible
 
-    if model is None or not any(v != "none" for v in space.choices.get("sharding", ())):
+    if model is None or not any(v != NONE for v in space.choices.get("sharding", ())):
         return space
     dims = ModelDims.from_spec(model, counts=counts)
     reasons = {}

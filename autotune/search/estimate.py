@@ -15,7 +15,7 @@ from typing import Any
 from autotune.errors import UsageError
 from autotune.params import ATTN_IMPLEMENTATIONS, TrialParams
 from autotune.search.memory import MemoryModel, ModelDims, activation_bytes_per_sample, host_state_bytes, static_memory
-from autotune.sharding import SHARDINGS
+from autotune.sharding import NONE, SHARDINGS
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class EstimateRow:
     activation_bytes_per_sample: int
     largest_batch: int | None  # of the space's batch sizes; None if not even the smallest fits (on the device, or the host)
     peak_bytes_at_largest: int | None
-    sharding: str = "none"  # autotune.sharding.SHARDINGS: ZeRO stage and offload
+    sharding: str = NONE  # autotune.sharding.SHARDINGS: ZeRO stage and offload
     host_bytes: int = 0  # host memory of the offloaded state (all ranks together)
     only_with_offload: bool = False  # no batch fits without offloading at this precision, optimizer and checkpointing
 
@@ -110,7 +110,7 @@ def estimate_table(
         raise UsageError("--host-memory must be positive, e.g. 120GiB")
     memory = MemoryModel(dims, seq_len, world=nproc)
     batch_sizes = loaded.choices["per_device_train_batch_size"]
-    shardings = ["none"]
+    shardings = [NONE]
     if host_memory_bytes is not None or nproc > 1:  # a stage without offload partitions nothing over one rank
         shardings += [s.name for s in SHARDINGS.values() if s.stage and (nproc > 1 or s.offload_optimizer)
                       and (host_memory_bytes is not None or not s.offload_optimizer)]
@@ -118,7 +118,7 @@ def estimate_table(
     for precision in loaded.choices["precision"]:
         for optim in loaded.choices["optim"]:
             for ckpt in (False, True):
-                fits_without_offload = False
+                alike = []  # this precision, optimizer and checkpointing under every sharding
                 for sharding in shardings:
                     params = TrialParams(precision=precision, optim=optim, gradient_checkpointing=ckpt, attn_implementation=attn_implementation,
                                          use_liger_kernel=use_liger_kernel, sharding=sharding)
@@ -127,15 +127,15 @@ def estimate_table(
                     largest = memory.largest_batch_that_fits(params, batch_sizes, device_memory_bytes)
                     if host_memory_bytes is not None and host > host_memory_bytes:
                         largest = None  # the offloaded state does not fit on the host
-                    offload = SHARDINGS[sharding].offload_optimizer
-                    fits_without_offload |= largest is not None and not offload
                     peak = memory.predict(dataclasses.replace(params, per_device_train_batch_size=largest)) if largest else None
-                    rows.append(EstimateRow(
+                    alike.append(EstimateRow(
                         precision, optim, ckpt, static.total_bytes, static.weights_bytes, static.gradients_bytes,
                         static.optimizer_bytes, activation_bytes_per_sample(dims, params, seq_len), largest, peak,
                         sharding=sharding, host_bytes=host,
-                        only_with_offload=offload and largest is not None and not fits_without_offload,
                     ))
+                fits_without_offload = any(r.largest_batch is not None and not SHARDINGS[r.sharding].offload_optimizer for r in alike)
+                rows += [dataclasses.replace(r, only_with_offload=SHARDINGS[r.sharding].offload_optimizer and r.largest_batch is not None
+                                             and not fits_without_offload) for r in alike]
     return MemoryEstimate(spec.name, dims.num_parameters, seq_len, attn_implementation, device_memory_bytes, tuple(rows),
                           peft=lora.describe() if lora else None, trainable_parameters=counts.trainable if counts else None,
                           quantized_parameters=counts.quantized if counts else 0, use_liger_kernel=use_liger_kernel,

@@ -18,6 +18,7 @@ from typing import Any
 
 from autotune.params import TrialParams
 from autotune.records import ProbeResult, ProbeStatus
+from autotune.sharding import NONE
 from autotune.space import SearchSpace
 
 # Most preferred first; the first value the space holds wins, else the baseline's value is kept.
@@ -29,7 +30,7 @@ EXPERT_PREFERENCES: dict[str, tuple[Any, ...]] = {
     "gradient_checkpointing": (False,),
     "gradient_accumulation_steps": (1,),
     "use_liger_kernel": (False,),
-    "sharding": ("none",),
+    "sharding": (NONE,),
 }
 
 

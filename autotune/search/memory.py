@@ -51,6 +51,7 @@ import numpy as np
 
 from autotune.params import TrialParams, mixed_precision_dtype
 from autotune.records import ProbeResult, ProbeStatus
+from autotune.sharding import NONE as NO_SHARDING
 from autotune.sharding import device_shares, host_shares
 from autotune.units import GiB
 
@@ -200,7 +201,7 @@ def optimizer_state_bytes(optim: str, num_parameters: int, hidden_size: int, par
     return int(state)
 
 
-def static_memory(dims: ModelDims, precision: str, optim: str, sharding: str = "none", world: int = 1) -> StaticMemory:
+def static_memory(dims: ModelDims, precision: str, optim: str, sharding: str = NO_SHARDING, world: int = 1) -> StaticMemory:
     """Weights, gradients, optimizer state and CUDA context on one device for one precision and optimizer, less what
     ``sharding`` partitions over ``world`` ranks or moves to the host (:func:`autotune.sharding.device_shares`;
     :func:`host_state_bytes` is what the host holds).
@@ -212,7 +213,7 @@ def static_memory(dims: ModelDims, precision: str, optim: str, sharding: str = "
     layer into the compute dtype).
     """
     weights, gradients, optimizer = _state_bytes(dims, precision, optim, sharding)
-    if sharding != "none":
+    if sharding != NO_SHARDING:
         keep_weights, keep_gradients, keep_optimizer = device_shares(sharding, world)
         weights, gradients, optimizer = int(weights * keep_weights), int(gradients * keep_gradients), int(optimizer * keep_optimizer)
     return StaticMemory(weights_bytes=weights, gradients_bytes=gradients, optimizer_bytes=optimizer, overhead_bytes=CUDA_CONTEXT_BYTES)
@@ -231,7 +232,7 @@ def _state_bytes(dims: ModelDims, precision: str, optim: str, sharding: str) -> 
     # Gradients have the parameters' dtype (fp32 under AMP too), and so does the state of torch's optimizers.
     gradients = 4 * trainable if dims.trainable_bytes is None else dims.trainable_bytes
     optimizer = optimizer_state_bytes(optim, trainable, dims.hidden_size, dims.trainable_bytes)
-    if sharding != "none" and amp:
+    if sharding != NO_SHARDING and amp:
         # DeepSpeed's mixed precision holds the module and its gradients in 16 bits and an fp32 master copy of the
         # trainable weights with the optimizer state: 2 + 2 + K bytes per parameter (Rajbhandari et al. 2020, "ZeRO", sec. 3.1).
         weights -= 4 * fp32
@@ -243,7 +244,7 @@ def _state_bytes(dims: ModelDims, precision: str, optim: str, sharding: str) -> 
 def host_state_bytes(dims: ModelDims, params: TrialParams) -> int:
     """Host memory the training state takes under ``params.sharding`` (all ranks together): the offloaded optimizer
     state and parameters; 0 without offload (the processes' own host memory, a few GiB each, is not modelled)."""
-    if params.sharding == "none":
+    if params.sharding == NO_SHARDING:
         return 0
     weights, _, optimizer = _state_bytes(dims, params.precision, params.optim, params.sharding)
     keep_weights, keep_optimizer = host_shares(params.sharding)
