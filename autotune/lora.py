@@ -15,7 +15,7 @@ rank 8, alpha 8, dropout 0, and peft's default target modules for the architectu
 * :func:`apply_lora` is what the probe child runs after building the model.
 
 Frozen base weights carry no gradient and no optimizer state; the adapters do
-(:func:`autotune.search.memory.static_memory`). Importing this module imports neither torch nor peft.
+(:func:`autotune.search.memory_prior.static_memory`). Importing this module imports neither torch nor peft.
 """
 
 from __future__ import annotations

@@ -101,7 +101,8 @@ class RunPlan:
 
     def memory_model(self) -> Any:
         """A fresh :class:`autotune.search.memory.MemoryModel` of the plan's model (as trained) at its sequence length."""
-        from autotune.search.memory import MemoryModel, ModelDims
+        from autotune.search.memory import MemoryModel
+        from autotune.search.memory_prior import ModelDims
 
         return MemoryModel(ModelDims.from_spec(self.model, counts=self.parameters), self.seq_len, world=self.nproc_per_probe)
 
@@ -515,7 +516,8 @@ def largest_lean_batch(model: Any, seq_len: int, memory_bytes: int, space: Searc
     them); 0 when none does. No configuration of the space fits a larger one, so it bounds the batch sizes
     worth adding (:meth:`SearchSpace.with_batches_up_to`). ``counts``: the model's parameters as trained
     (a user's Trainer's), instead of counting them from the config."""
-    from autotune.search.memory import MemoryModel, ModelDims, static_memory
+    from autotune.search.memory import MemoryModel
+    from autotune.search.memory_prior import ModelDims, static_memory
 
     dims = ModelDims.from_spec(model, counts=counts)
     choices = space.choices
@@ -558,7 +560,7 @@ def _offload_within(space: SearchSpace, model: Any, counts: Any, host_ceiling: i
     Raises:
         UsageError: no sharding value left (offload alone, without the host memory for it).
     """
-    from autotune.search.memory import ModelDims, host_state_bytes
+    from autotune.search.memory_prior import ModelDims, host_state_bytes
     from autotune.sharding import NONE, incompatible
 
     if model is None or not any(v != NONE for v in space.choices.get("sharding", ())):

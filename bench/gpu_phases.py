@@ -504,7 +504,8 @@ def phase_precision_compile(ctx: Context) -> PhaseOutput:
 
 def phase_ceiling(ctx: Context) -> PhaseOutput:
     """A memory ceiling below the card: batches across the predicted boundary; OOMs are ``oom``, nothing ok is over it."""
-    from autotune.search.memory import MemoryModel, ModelDims
+    from autotune.search.memory import MemoryModel
+    from autotune.search.memory_prior import ModelDims
 
     plan = ctx.plan
     model = resolve_model(plan.ceiling_model)
@@ -1128,7 +1129,8 @@ def write_landscape_table(rows: dict[tuple[Any, ...], dict[str, Any]], grid: dic
 
 def _landscape_ceiling(ctx: Context, model: ModelSpec) -> int | None:
     """Where half the largest-batch memory groups are predicted to fit: OOM rows on both sides of it."""
-    from autotune.search.memory import MemoryModel, ModelDims
+    from autotune.search.memory import MemoryModel
+    from autotune.search.memory_prior import ModelDims
 
     if not ctx.device.is_cuda:
         return None  # a simulated ceiling on the CPU compares process RSS: everything would be "oom"

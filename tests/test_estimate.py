@@ -8,7 +8,8 @@ from pathlib import Path
 from autotune.cli import main
 from autotune.models import resolve_model
 from autotune.params import TrialParams
-from autotune.search.memory import MemoryModel, ModelDims
+from autotune.search.memory import MemoryModel
+from autotune.search.memory_prior import ModelDims
 from autotune.space import load_space
 from tests.conftest import GiB
 

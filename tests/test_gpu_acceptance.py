@@ -243,7 +243,8 @@ def test_landscape_ceiling_puts_the_largest_batch_on_both_sides(tmp_path: Path) 
 
     from autotune.models import resolve_model
     from autotune.plan import CEILING_SAFETY_FRACTION
-    from autotune.search.memory import MemoryModel, ModelDims
+    from autotune.search.memory import MemoryModel
+    from autotune.search.memory_prior import ModelDims
 
     ctx = _context(tmp_path)
     assert gpu_phases._landscape_ceiling(ctx, resolve_model(ctx.plan.land_model)) == int(CEILING_SAFETY_FRACTION * 80 * 2**30)  # the card's

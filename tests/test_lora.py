@@ -17,7 +17,7 @@ from autotune.errors import EXIT_USAGE, UsageError
 from autotune.lora import LoraSettings, ParameterCounts, count_model_parameters, parameter_counts
 from autotune.models import BUILTIN_MODELS, build_model, resolve_model
 from autotune.params import TrialParams
-from autotune.search.memory import ModelDims, static_memory
+from autotune.search.memory_prior import ModelDims, static_memory
 
 peft = pytest.importorskip("peft")
 
@@ -206,7 +206,7 @@ def test_qlora_estimate_counts_4bit_linear_weights() -> None:
     # Every linear weight but the (tied) head: 2 x (2*128^2 + 2*128*64 + 3*128*512).
     assert estimate.quantized_parameters == 2 * (2 * 128**2 + 2 * 128 * 64 + 3 * 128 * 512)
     # 4 B for the rest (embeddings, norms, adapters), ~0.52 B for each 4-bit weight: 2,381,946 B, not 4,094,464.
-    from autotune.search.memory import QLORA_BYTES_PER_QUANTIZED_PARAM
+    from autotune.search.memory_prior import QLORA_BYTES_PER_QUANTIZED_PARAM
 
     q = estimate.quantized_parameters
     assert estimate.rows[0].weights_bytes == 4 * (estimate.num_parameters - q) + int(q * QLORA_BYTES_PER_QUANTIZED_PARAM) == 2_381_946

@@ -6,15 +6,8 @@ import pytest
 
 from autotune.params import TrialParams
 from autotune.records import ProbeResult
-from autotune.search.memory import (
-    CUDA_CONTEXT_BYTES,
-    MemoryModel,
-    ModelDims,
-    activation_bytes_per_sample,
-    median_error_beyond,
-    predict_peak_bytes,
-    static_memory,
-)
+from autotune.search.memory import MemoryModel, median_error_beyond
+from autotune.search.memory_prior import CUDA_CONTEXT_BYTES, ModelDims, activation_bytes_per_sample, predict_peak_bytes, static_memory
 from tests.conftest import GiB
 
 DIMS = ModelDims(num_parameters=1_000_000, num_layers=2, hidden_size=128, num_attention_heads=4, vocab_size=1000, intermediate_size=512)
@@ -172,7 +165,7 @@ def test_cache_emptying_and_dataloader_settings_do_not_move_modelled_memory() ->
 def test_optimizer_state_follows_the_parameters_dtype_only_for_torchs_optimizers() -> None:
     """torch's AdamW/SGD/RMSprop allocate their state like the parameter (halved for bf16 ones);
     bitsandbytes keeps its 32-bit states in float32 and its 8-bit ones in bytes, whatever the parameter."""
-    from autotune.search.memory import optimizer_state_bytes
+    from autotune.search.memory_prior import optimizer_state_bytes
 
     n, bf16_bytes = 1000, 2 * 1000
     assert optimizer_state_bytes("adamw_torch_fused", n, 64, bf16_bytes) == optimizer_state_bytes("adamw_torch_fused", n, 64) // 2 == 4 * n

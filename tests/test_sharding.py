@@ -14,7 +14,7 @@ from autotune.params import TrialParams
 from autotune.plan import plan_run
 from autotune.records import ProbeResult
 from autotune.search.estimate import estimate_table
-from autotune.search.memory import CUDA_CONTEXT_BYTES, ModelDims, host_state_bytes, static_memory
+from autotune.search.memory_prior import CUDA_CONTEXT_BYTES, ModelDims, host_state_bytes, static_memory
 from autotune.space import parse_space
 from autotune.units import GiB
 

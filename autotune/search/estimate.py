@@ -14,7 +14,8 @@ from typing import Any
 
 from autotune.errors import UsageError
 from autotune.params import ATTN_IMPLEMENTATIONS, TrialParams
-from autotune.search.memory import MemoryModel, ModelDims, activation_bytes_per_sample, host_state_bytes, static_memory
+from autotune.search.memory import MemoryModel
+from autotune.search.memory_prior import ModelDims, activation_bytes_per_sample, host_state_bytes, static_memory
 from autotune.sharding import NONE, SHARDINGS
 
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from autotune.params import TrialParams
 from autotune.records import Probe
-from autotune.search.memory import optimizer_state_bytes
+from autotune.search.memory_prior import optimizer_state_bytes
 from autotune.search.strategies.base import SearchState
 from autotune.search.strategies.bayes.features import WORKERS, step_time_surrogate
 from autotune.search.strategies.bayes.groups import Groups

@@ -17,7 +17,8 @@ import numpy as np
 
 from autotune.params import TrialParams, mixed_precision_dtype
 from autotune.records import Probe, ProbeStatus
-from autotune.search.memory import GROUP_KEYS, needs_no_less_memory, optimizer_state_bytes
+from autotune.search.memory import GROUP_KEYS, needs_no_less_memory
+from autotune.search.memory_prior import optimizer_state_bytes
 from autotune.search.strategies.surrogate import ACCUM, BATCH, Grid
 from autotune.sharding import needs_no_less_device_memory
 
