@@ -19,6 +19,7 @@ from autotune.errors import NoResult, NothingFits
 from autotune.params import KNOBS_ADDED_LATER, PARAM_DEFAULTS, PARAM_NAMES, TrialParams
 from autotune.records import Probe, ProbeResult, ProbeStatus
 from autotune.search.ranking import rank_configurations
+from autotune.sharding import NONE as NO_SHARDING
 from autotune.sharding import parse as sharding_of
 from autotune.studies import opening, reading, schema
 from autotune.studies.schema import ATTR_DUPLICATE_OF, ATTR_PARAMS, ATTR_PREDICTED_PEAK, ATTR_REASON, ATTR_REMEASURE_OF, ATTR_RESULT, ATTR_STATUS
@@ -546,7 +547,7 @@ def _memory_advice(result: TuneResult, package_available: Any) -> list[str]:
     if (gpu and True not in space.get("use_liger_kernel", [False]) and "use_liger_kernel=" not in dropped
             and package_available("liger_kernel")):
         advice.append("allow use_liger_kernel: [true] in the space (its fused cross-entropy keeps no logits)")
-    if gpu and not any(sharding_of(str(s)).offload_optimizer for s in space.get("sharding", ["none"])):
+    if gpu and not any(sharding_of(str(s)).offload_optimizer for s in space.get("sharding", [NO_SHARDING])):
         install = "" if package_available("deepspeed") else "pip install deepspeed and "
         advice.append(f"{install}allow sharding: [none, zero2_offload] in the space (ZeRO-Offload keeps AdamW's state on the host)")
     batches = [b for b in space.get("per_device_train_batch_size", []) if isinstance(b, int)]

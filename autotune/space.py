@@ -37,6 +37,7 @@ from autotune.params import (
     uses_tf32,
 )
 from autotune.records import DeviceInfo
+from autotune.sharding import NONE as NO_SHARDING
 from autotune.sharding import incompatible
 from autotune.sharding import parse as sharding_of
 
@@ -179,7 +180,7 @@ class SearchSpace:
 
     def check_combinations(self) -> None:
         """Raises UsageError when no combination of the space's sharding and optimizer values can train."""
-        shardings, optims = self.choices.get("sharding", ("none",)), self.choices.get("optim", ())
+        shardings, optims = self.choices.get("sharding", (NO_SHARDING,)), self.choices.get("optim", ())
         reasons = [incompatible(s, o) for s in shardings for o in optims]
         if optims and all(reasons):
             raise UsageError(f"no sharding value of the space can train with its optimizers ({reasons[0]}): "

@@ -139,7 +139,7 @@ def options_for_worker(
         trainer_args, objective = identity.get("args"), identity.get("objective")
     return dict(
         model=None if trainer else settings.model, trainer=trainer, budget=budget, n_trials=n_trials, space=SearchSpace.from_dict(settings.space),
-        memory_ceiling=int(ceiling), effective_batch_size=settings.effective_batch_size,
+        memory_ceiling=ceiling, effective_batch_size=settings.effective_batch_size,
         seq_len=None if trainer else int(seq_len), device=device, storage=storage, study=study,
         seed=probe.seed + seed_offset, trial_timeout=probe.trial_timeout_s,
         warmup_steps=probe.warmup_steps, measure_steps=probe.measure_steps,
