@@ -744,10 +744,15 @@ def phase_side_by_side(ctx: Context) -> PhaseOutput:
     rows["bf16_user"] = table.measured_row(defaults.replace(precision=sixteen, per_device_train_batch_size=plan.bf16_user_batch))
 
     # The largest batch at default settings: Lightning's binsearch, each step a full probe of the run's protocol.
-    largest, finder_s, finder_probes = _largest_batch(ctx, table, defaults, ceiling)
-    rows["largest"] = (table.measured_row(defaults.replace(per_device_train_batch_size=largest), time_to_find_s=finder_s,
-                                          finder_probes=finder_probes) if largest is not None
-                       else {"status": "not run", "error": "no batch fit, or no time left"})
+    largest, finder_s, finder_probes, stopped = _largest_batch(ctx, table, defaults, ceiling)
+    if stopped is not None:
+        bound = f"; batch {largest} fits, so the answer is at least that" if largest else ""
+        rows["largest"] = {"status": "not run", "finder_probes": finder_probes, "error": f"the finder stopped: {stopped}{bound}"}
+    elif largest is None:
+        rows["largest"] = {"status": "nothing fit", "finder_probes": finder_probes, "error": f"batch {plan.finder_start} does not fit"}
+    else:
+        rows["largest"] = table.measured_row(defaults.replace(per_device_train_batch_size=largest), time_to_find_s=finder_s,
+                                             finder_probes=finder_probes)
 
     ordered = [{"method": _method_label(key, rows[key], plan, sixteen), "key": key, **rows[key]} for key, _ in SBS_METHODS if key in rows]
     peak_tflops_bf16 = _bf16_peak_tflops(ctx.device)
@@ -858,9 +863,11 @@ class SideBySide:
         return self.measured_row(params, time_to_find_s=0.0)
 
 
-def _largest_batch(ctx: Context, table: Any, params: TrialParams, ceiling: int | None) -> tuple[int | None, float, int]:
+def _largest_batch(ctx: Context, table: Any, params: TrialParams, ceiling: int | None) -> tuple[int | None, float, int, str | None]:
     """Lightning's ``binsearch`` batch finder: double from ``finder_start`` (transformers' default batch, 8, on the GPU) until a probe does not fit,
-    then halve the interval until it is one wide. (largest fitting batch, probe seconds, probes run here)."""
+    then halve the interval until it is one wide. (largest fitting batch, probe seconds, probes run here, why it stopped
+    before its answer: None when it finished). A probe that ends without saying anything of memory (the box spent, a
+    timeout, a crash) stops the finder without an answer: the largest batch measured so far is only a lower bound."""
     plan = ctx.plan
     low, high, size = 0, None, plan.finder_start
     spent, probes = 0.0, 0
@@ -868,13 +875,13 @@ def _largest_batch(ctx: Context, table: Any, params: TrialParams, ceiling: int |
         already = params.replace(per_device_train_batch_size=size).key() in table.rows
         row = table.probe(params.replace(per_device_train_batch_size=size))
         if row is None:
-            break
+            return (low or None), spent, probes, f"no time left in the box for batch {size}"
         if not already:
             probes += 1
             spent += row.get("wall_s") or 0.0
         fits = table.fits(row)
         if fits is None:
-            break  # a crash or a timeout says nothing about memory
+            return (low or None), spent, probes, f"batch {size} ended {row['status']}: {row.get('error') or 'no memory figure'}"
         if fits:
             low = size
             if high is None:
@@ -887,7 +894,7 @@ def _largest_batch(ctx: Context, table: Any, params: TrialParams, ceiling: int |
         if high - low <= 1:
             break
         size = (low + high) // 2
-    return (low or None), spent, probes
+    return (low or None), spent, probes, None
 
 
 def _side_by_side_markdown(ctx: Context, data: dict[str, Any], check: dict[str, Any]) -> str:

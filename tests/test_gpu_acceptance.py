@@ -196,8 +196,8 @@ def _table(tmp_path: Path, fake: _MemoryBound, ceiling: int, sizes: list[int] | 
 
 def test_largest_batch_doubles_until_oom_then_bisects(tmp_path: Path) -> None:
     fake = _MemoryBound(limit=37)
-    largest, spent, probes = gpu_phases._largest_batch(_context(tmp_path), _table(tmp_path, fake, 10**9), TrialParams(), ceiling=10**9)
-    assert largest == 37
+    largest, spent, probes, stopped = gpu_phases._largest_batch(_context(tmp_path), _table(tmp_path, fake, 10**9), TrialParams(), ceiling=10**9)
+    assert largest == 37 and stopped is None
     assert fake.batches[:4] == [8, 16, 32, 64]  # from transformers' default batch
     assert probes == len(fake.batches) and spent == float(probes)
     assert 37 in fake.batches and 38 in fake.batches  # the boundary itself was measured on both sides
@@ -205,17 +205,40 @@ def test_largest_batch_doubles_until_oom_then_bisects(tmp_path: Path) -> None:
 
 def test_largest_batch_counts_over_the_ceiling_as_not_fitting(tmp_path: Path) -> None:
     fake = _MemoryBound(limit=10**6)  # never runs out of memory; the ceiling (peak = batch bytes) decides
-    largest, _, _ = gpu_phases._largest_batch(_context(tmp_path), _table(tmp_path, fake, 20), TrialParams(), ceiling=20)
-    assert largest == 20
+    largest, _, _, stopped = gpu_phases._largest_batch(_context(tmp_path), _table(tmp_path, fake, 20), TrialParams(), ceiling=20)
+    assert largest == 20 and stopped is None
 
 
 def test_largest_batch_reads_what_the_run_measured_instead_of_probing_it_again(tmp_path: Path) -> None:
     fake = _MemoryBound(limit=12)
     table = _table(tmp_path, fake, 10**9)
     table.rows[TrialParams().key()] = {"status": "ok", "peak_mem_bytes": 8, "wall_s": 5.0}  # the run's baseline, bs 8
-    largest, spent, probes = gpu_phases._largest_batch(_context(tmp_path), table, TrialParams(), ceiling=10**9)
-    assert largest == 12 and 8 not in fake.batches
+    largest, spent, probes, stopped = gpu_phases._largest_batch(_context(tmp_path), table, TrialParams(), ceiling=10**9)
+    assert largest == 12 and 8 not in fake.batches and stopped is None
     assert probes == len(fake.batches) and spent == float(probes)  # only the probes run here count
+
+
+class _TimesOutAbove(_MemoryBound):
+    """Fits everything, but a probe above ``slow`` samples passes its deadline (the box ending mid-finder)."""
+
+    def __init__(self, slow: int) -> None:
+        super().__init__(limit=10**6)
+        self.slow = slow
+
+    def evaluate(self, params: TrialParams, *, timeout_s: float) -> ProbeResult:
+        if params.per_device_train_batch_size > self.slow:
+            self.batches.append(params.per_device_train_batch_size)
+            return ProbeResult(status="timeout", error="probe passed its deadline and was killed", wall_s=15.0)
+        return super().evaluate(params, timeout_s=timeout_s)
+
+
+def test_a_finder_stopped_by_a_timeout_gives_no_answer_only_a_lower_bound(tmp_path: Path) -> None:
+    # An H200 side by side (2026-11-28) published batch 8 as the largest fp32 batch that fits because the box
+    # ended while batch 16 ran; batch 64 fits there. A timeout says nothing about memory.
+    fake = _TimesOutAbove(slow=8)
+    largest, _, probes, stopped = gpu_phases._largest_batch(_context(tmp_path), _table(tmp_path, fake, 10**9), TrialParams(), ceiling=10**9)
+    assert fake.batches == [8, 16] and probes == 2
+    assert largest == 8 and stopped is not None and "batch 16 ended timeout" in stopped
 
 
 def test_every_row_out_of_memory_steps_down_one_batch_size_of_the_space(tmp_path: Path) -> None:
