@@ -331,6 +331,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         if sharded:
             line += f" {format_bytes(row.host_bytes) if row.host_bytes else '-':>10}" + ("  fits only with offload" if row.only_with_offload else "")
         print(line)
+    print("static: weights, optimizer state and context at the peak, with the gradients only where they are held then "
+          "(accumulation, a ZeRO stage, or more gradients than activations); peak = static + batch x per sample")
     return 0
 
 

@@ -7,7 +7,14 @@ import pytest
 from autotune.params import TrialParams
 from autotune.records import ProbeResult
 from autotune.search.memory import MemoryModel, median_error_beyond
-from autotune.search.memory_prior import CUDA_CONTEXT_BYTES, ModelDims, activation_bytes_per_sample, predict_peak_bytes, static_memory
+from autotune.search.memory_prior import (
+    CUDA_CONTEXT_BYTES,
+    ModelDims,
+    activation_bytes_per_sample,
+    peak_static_bytes,
+    predict_peak_bytes,
+    static_memory,
+)
 from tests.conftest import GiB
 
 DIMS = ModelDims(num_parameters=1_000_000, num_layers=2, hidden_size=128, num_attention_heads=4, vocab_size=1000, intermediate_size=512)
@@ -42,8 +49,29 @@ def test_activations_per_sample_hand_computed() -> None:
     # checkpointing keeps each layer's input plus one layer's activations
     ckpt = TrialParams(precision="bf16", gradient_checkpointing=True)
     assert activation_bytes_per_sample(DIMS, ckpt, seq) == 2 * 64 * 128 * 2 + 64 * 128 * 34 + 64 * 1000 * 10
+    # At batch 4 the activations (4.8 MB) outweigh the gradients (4 MB), which are not held at the peak.
     params = TrialParams(per_device_train_batch_size=4, precision="bf16")
-    assert predict_peak_bytes(DIMS, params, seq) == static_memory(DIMS, "bf16", params.optim).total_bytes + 4 * 1_197_056
+    static = static_memory(DIMS, "bf16", params.optim)
+    assert predict_peak_bytes(DIMS, params, seq) == static.total_bytes - static.gradients_bytes + 4 * 1_197_056
+
+
+def test_the_gradients_are_in_the_peak_only_where_they_outlive_the_forward_pass() -> None:
+    static = static_memory(DIMS, "fp32", "adamw_torch_fused")
+    without = static.total_bytes - static.gradients_bytes
+    plain = TrialParams(precision="fp32")
+    assert peak_static_bytes(static, plain, 10 * static.gradients_bytes) == without  # the activations set the peak
+    assert peak_static_bytes(static, plain, static.gradients_bytes // 4) == without + static.gradients_bytes * 3 // 4  # the gradients do
+    for held in (plain.replace(gradient_accumulation_steps=2), plain.replace(sharding="zero2")):
+        assert peak_static_bytes(static, held, 10 * static.gradients_bytes) == static.total_bytes
+
+
+def test_the_prior_predicts_a_measured_fp32_peak() -> None:
+    # An H100 and an H200 (2026-11-28, polyglot-ko-1.3b seq 512, transformers' defaults, bs8 fp32 AdamW):
+    # 32,238,272,512 B at its peak on both cards. With the gradients held the prior said 18 % more.
+    from autotune.models import resolve_model
+
+    dims = ModelDims.from_spec(resolve_model("polyglot-ko-1.3b"))
+    assert predict_peak_bytes(dims, TrialParams(precision="fp32"), 512) == pytest.approx(32_238_272_512, rel=0.03)
 
 
 def test_calibration_fits_the_group_line_and_predicts_the_largest_batch() -> None:
@@ -320,7 +348,7 @@ def test_after_an_out_of_memory_probe_the_batch_steps_down_to_even_odds_of_fitti
     memory.observe(expert, _oom())
     static = predicted - 56 * (memory.predict(expert.replace(per_device_train_batch_size=57)) - predicted)
     ratio = (ceiling - static) / (predicted - static)
-    assert ratio > 1.3  # the miss the fp32 baseline left
+    assert ratio > 1.2  # the miss the fp32 baseline left
     expected = int(56 * ratio / median_error_beyond(ratio, memory._activation_log_sd()))
     assert memory.largest_batch_that_fits(expert, sizes, ceiling) == max(b for b in sizes if b <= expected) == 48
 

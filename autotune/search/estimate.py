@@ -15,7 +15,7 @@ from typing import Any
 from autotune.errors import UsageError
 from autotune.params import ATTN_IMPLEMENTATIONS, TrialParams
 from autotune.search.memory import MemoryModel
-from autotune.search.memory_prior import ModelDims, activation_bytes_per_sample, host_state_bytes, static_memory
+from autotune.search.memory_prior import ModelDims, activation_bytes_per_sample, host_state_bytes, peak_static_bytes, static_memory
 from autotune.sharding import NONE, SHARDINGS
 
 
@@ -26,7 +26,7 @@ class EstimateRow:
     precision: str
     optim: str
     gradient_checkpointing: bool
-    static_bytes: int  # weights + gradients + optimizer state + CUDA context
+    static_bytes: int  # what the peak holds beside activations at the largest batch (batch 1 if none fits): memory_prior.peak_static_bytes
     weights_bytes: int
     gradients_bytes: int
     optimizer_bytes: int
@@ -129,9 +129,11 @@ def estimate_table(
                     if host_memory_bytes is not None and host > host_memory_bytes:
                         largest = None  # the offloaded state does not fit on the host
                     peak = memory.predict(dataclasses.replace(params, per_device_train_batch_size=largest)) if largest else None
+                    per_sample = activation_bytes_per_sample(dims, params, seq_len)
+                    held = int(peak_static_bytes(static, params, (largest or 1) * per_sample))
                     alike.append(EstimateRow(
-                        precision, optim, ckpt, static.total_bytes, static.weights_bytes, static.gradients_bytes,
-                        static.optimizer_bytes, activation_bytes_per_sample(dims, params, seq_len), largest, peak,
+                        precision, optim, ckpt, held, static.weights_bytes, static.gradients_bytes,
+                        static.optimizer_bytes, per_sample, largest, peak,
                         sharding=sharding, host_bytes=host,
                     ))
                 fits_without_offload = any(r.largest_batch is not None and not SHARDINGS[r.sharding].offload_optimizer for r in alike)

@@ -37,7 +37,14 @@ import numpy as np
 
 from autotune.params import TrialParams, mixed_precision_dtype
 from autotune.records import ProbeResult, ProbeStatus
-from autotune.search.memory_prior import CUDA_CONTEXT_BYTES, ModelDims, activation_bytes_per_sample, generic_features, static_memory
+from autotune.search.memory_prior import (
+    CUDA_CONTEXT_BYTES,
+    ModelDims,
+    activation_bytes_per_sample,
+    generic_features,
+    peak_static_bytes,
+    static_memory,
+)
 from autotune.units import GiB
 
 BASE_PRIOR_SD_BYTES = 0.5 * GiB  # without model dims: the prior sd of that memory, fitted as a constant (MemoryModel._fitted_scales)
@@ -145,8 +152,9 @@ class MemoryModel:
     def _features(self, params: TrialParams) -> tuple[float, float]:
         if self.dims is None:
             return generic_features(params, self.world)
-        static = static_memory(self.dims, params.precision, params.optim, params.sharding, self.world).total_bytes
-        return float(static), float(activation_bytes_per_sample(self.dims, params, self.seq_len))
+        static = static_memory(self.dims, params.precision, params.optim, params.sharding, self.world)
+        per_sample = float(activation_bytes_per_sample(self.dims, params, self.seq_len))
+        return peak_static_bytes(static, params, params.per_device_train_batch_size * per_sample), per_sample
 
     def _fitted_scales(self) -> tuple[float, float] | None:
         """Least-squares (static, activation) scales over every ok measurement; the prior is (1, 1).
