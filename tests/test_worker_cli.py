@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from unittest import mock
 
 import optuna
 import pytest
@@ -81,6 +82,15 @@ def test_the_worker_command_refuses_a_study_it_cannot_join(tmp_path, capsys) -> 
     assert "shared budget" in capsys.readouterr().err
     assert main(["worker", "--storage", storage, "--study", "nope", "--device", "cpu"]) == 2
     assert "no study 'nope'" in capsys.readouterr().err
+    # A study made before workers could join one records no probe settings: --gpus refuses it before starting any worker.
+    old = optuna.create_study(study_name="old", storage=storage)
+    recorded = dict(optuna.load_study(study_name="s", storage=storage).user_attrs[schema.STUDY_ATTR])
+    old.set_user_attr(schema.STUDY_ATTR, {k: v for k, v in recorded.items() if k != "probe"})
+    with mock.patch("autotune.workers.run_workers") as started:
+        assert main(["worker", "--storage", storage, "--study", "old", "--gpus", "0,1"]) == 2
+    assert not started.called
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "does not record its run's probe settings" in err[0] and "autotune run" in err[0]
 
 
 def _assert_one_search(storage: str) -> Counter[tuple]:
