@@ -59,10 +59,6 @@ class NoResult(AutotuneError):
     exit_code = EXIT_NO_RESULT
 
 
-class ProbeError(AutotuneError):
-    """A probe could not be run at all (as opposed to a probe whose outcome is a failure)."""
-
-
 class StorageFailed(AutotuneError):
     """The study's storage failed during the run (read-only, full, removed, locked, its server stopped): the
     run stops; every trial it stored before is kept, and the same command resumes once the storage works."""

@@ -585,11 +585,6 @@ def row_params(row: Any) -> TrialParams:
                                   "extra": dict(extra) if isinstance(extra, (tuple, list)) else {}})
 
 
-def nothing_fits_message(result: TuneResult) -> str:
-    """The one-line reason there is no best configuration (see :func:`no_result_error`)."""
-    return str(no_result_error(result))
-
-
 def _py(value: Any) -> Any:
     """numpy/pandas scalars -> plain Python (JSON and TrainingArguments want them)."""
     if hasattr(value, "item"):

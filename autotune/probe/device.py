@@ -341,13 +341,6 @@ def cpu_peak_rss_bytes() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
-def cpu_current_rss_bytes() -> int:
-    """Current resident set size of this process."""
-    import psutil
-
-    return int(psutil.Process().memory_info().rss)
-
-
 # Text of RuntimeErrors that mean the GPU ran out of memory. cuBLAS and cuDNN report a failed
 # allocation as their own status, which torch surfaces as a RuntimeError carrying the status name:
 # CUDNN_STATUS_ALLOC_FAILED, and cublasCreate's CUBLAS_STATUS_NOT_INITIALIZED, which near the memory
