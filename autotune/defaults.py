@@ -17,4 +17,5 @@ SEQ_LEN = 512  # tokens per sample
 STORAGE = "sqlite:///autotune.db"  # the built-in SQLite study
 WORKERS_STORAGE = "journal:///autotune.journal.log"  # --gpus: a file several processes share without a server
 STRATEGY = "bayes"
+CONFIG_CLASS = "transformers.training_args.TrainingArguments"  # the class a run's configuration is for without --trainer
 STRATEGY_NAMES = ("bayes", "tpe", "random")  # the registry's names (tests/test_strategies.py keeps them equal)

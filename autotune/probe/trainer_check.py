@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import autotune.defaults as defaults
 from autotune.config_fields import as_flags, describe_fields
 from autotune.errors import UsageError
 from autotune.probe.user_trainer import (
@@ -213,7 +214,7 @@ class UserTrainer:
     supports_sdpa: bool = True
     supports_flash: bool = True
     trainer_args: tuple[str, ...] | None = None  # the factory's own inputs (a make_trainer(argv) factory); None: the other form
-    config_class: str = "transformers.training_args.TrainingArguments"  # the class the Trainer's args are, module.Class
+    config_class: str = defaults.CONFIG_CLASS  # the class the Trainer's args are, module.Class
     user_config: dict[str, Any] | None = None  # the user's own settings (fields that differ from the class's defaults)
     fields: dict[str, Any] | None = None  # name -> autotune.config_fields.FieldKind of the config class
     options: tuple[str, ...] | None = None  # the option strings the factory's parser takes

@@ -49,7 +49,7 @@ class ProbeSettings:
         )
 
 
-TRAINING_ARGUMENTS = "transformers.training_args.TrainingArguments"  # the config class of a run without --trainer
+TRAINING_ARGUMENTS = defaults.CONFIG_CLASS  # the config class of a run without --trainer
 
 
 @dataclass(frozen=True)
