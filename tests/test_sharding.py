@@ -96,9 +96,14 @@ def test_estimate_names_the_configurations_that_fit_only_with_offload() -> None:
     assert plain.largest_batch is None  # AdamW's state alone is over 80 GiB
     assert offload.largest_batch is not None and offload.only_with_offload
     assert offload.host_bytes <= 120 * GiB
-    # Where a frugal optimizer fits without offload, its offload rows are not "only with offload".
+    # Offload runs DeepSpeed's own AdamW: no offload row for an optimizer it cannot run, whose plain row fits.
     assert rows[("bf16", "adafactor", True, "none")].largest_batch is not None
-    assert not rows[("bf16", "adafactor", True, "zero2_offload")].only_with_offload
+    assert not [r for r in estimate.rows if r.sharding.endswith("_offload") and r.optim not in ("adamw_torch", "adamw_torch_fused")]
+    # Where the same optimizer fits without offload (a larger card), its offload rows are not "only with offload".
+    roomy = {(r.precision, r.optim, r.gradient_checkpointing, r.sharding): r
+             for r in estimate_table("polyglot-ko-5.8b", seq_len=512, device_memory_bytes=160 * GiB, host_memory_bytes=120 * GiB).rows}
+    assert roomy[("bf16", "adamw_torch_fused", True, "none")].largest_batch is not None
+    assert not roomy[("bf16", "adamw_torch_fused", True, "zero2_offload")].only_with_offload
     # A host too small for the offloaded state: the row does not fit.
     small_host = estimate_table("polyglot-ko-5.8b", seq_len=512, device_memory_bytes=80 * GiB, host_memory_bytes=32 * GiB)
     assert all(r.largest_batch is None for r in small_host.rows if r.sharding == "zero3_offload" and r.optim == "adamw_torch_fused")

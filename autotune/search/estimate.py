@@ -16,7 +16,7 @@ from autotune.errors import UsageError
 from autotune.params import ATTN_IMPLEMENTATIONS, TrialParams
 from autotune.search.memory import MemoryModel
 from autotune.search.memory_prior import ModelDims, activation_bytes_per_sample, host_state_bytes, peak_static_bytes, static_memory
-from autotune.sharding import NONE, SHARDINGS
+from autotune.sharding import NONE, SHARDINGS, incompatible
 
 
 @dataclass(frozen=True)
@@ -121,6 +121,8 @@ def estimate_table(
             for ckpt in (False, True):
                 alike = []  # this precision, optimizer and checkpointing under every sharding
                 for sharding in shardings:
+                    if incompatible(sharding, optim) is not None:
+                        continue  # offload runs DeepSpeed's own AdamW: no row for a pair that cannot train
                     params = TrialParams(precision=precision, optim=optim, gradient_checkpointing=ckpt, attn_implementation=attn_implementation,
                                          use_liger_kernel=use_liger_kernel, sharding=sharding)
                     static = static_memory(dims, precision, optim, sharding, nproc)
