@@ -39,7 +39,7 @@ phase                  box   what
                              right after), then with the run's own evaluator and ceiling a bf16 batch-16
                              user, HF ``auto_find_batch_size`` (a real ``Trainer.train()`` from batch 64:
                              every batch it tried, steps, peak, log) and the largest batch that fits
-                             (binsearch from 8 over full probes); any row out of memory measured one
+                             (Lightning's binsearch from 8: trials of 3 untimed steps, then one probe); any row out of memory measured one
                              batch size of the space down; the best re-timed by a plain ``Trainer``
                              with its exported ``TrainingArguments`` and none of autotune's code (target:
                              within 5%). A box too small for the whole run is ``refused``

@@ -778,7 +778,7 @@ def _method_label(key: str, row: dict[str, Any], plan: Plan, sixteen: str) -> st
         tried = (row.get("auto_find") or {}).get("tried_batches") or []
         return f"{labels[key]} (from {plan.auto_find_start}; tried {', '.join(map(str, tried)) or 'nothing'})"
     if key == "largest":
-        return f"{labels[key]} ({row.get('finder_probes', 0)} full probes)"
+        return f"{labels[key]} ({row.get('finder_probes', 0)} trials of {FINDER_STEPS} untimed steps, then one probe)"
     if key == "autotune":
         return f"autotune ({format_duration(plan.sbs_run_budget_s)} run, this call)"
     return labels[key]
@@ -790,6 +790,9 @@ def _bf16_peak_tflops(device: DeviceInfo) -> float | None:
     return peak_tflops(device.name, "bf16") if device.is_cuda else None
 
 
+FINDER_STEPS = 3  # optimizer steps of one batch-finder trial: Lightning's scale_batch_size(steps_per_trial=3)
+
+
 class SideBySide:
     """Every row's measurement: a configuration the run measured is read from its study (averaged over its
     probes as the ranking does), any other is probed here with the run's evaluator; one cache, so two
@@ -798,6 +801,10 @@ class SideBySide:
     def __init__(self, ctx: Context, evaluator: Any, ceiling: int | None, batch_sizes: list[int], result: Any) -> None:
         self.ctx, self.evaluator, self.ceiling, self.sizes, self.result = ctx, evaluator, ceiling, batch_sizes, result
         self.rows: dict[tuple[Any, ...], dict[str, Any]] = {}
+        # The batch finder's trials: Lightning's, a few untimed steps that say whether a batch fits.
+        self.finder_evaluator = (replace(evaluator, warmup_steps=1, measure_steps=FINDER_STEPS - 1, max_measure_steps=FINDER_STEPS - 1)
+                                 if isinstance(evaluator, ProbeEvaluator) else evaluator)
+        self.fit_rows: dict[tuple[Any, ...], dict[str, Any]] = {}
         for record in _ranked_rows(result.configurations()):
             params = TrialParams.from_dict({n: record[n] for n in PARAM_NAMES})
             self.rows[params.key()] = self._study_figures(params, record)
@@ -823,6 +830,22 @@ class SideBySide:
                 row["status"] = "over ceiling"
             self.rows[key] = row
         return self.rows[key]
+
+    def fit_probe(self, params: TrialParams) -> dict[str, Any] | None:
+        """Whether ``params`` fits, as a batch finder's trial asks it: read where this call measured it already, else
+        :data:`FINDER_STEPS` untimed steps (not a row of the table); None when the box is spent."""
+        key = params.key()
+        if key in self.rows:
+            return self.rows[key]
+        if key not in self.fit_rows:
+            result = self.ctx.probe(self.finder_evaluator, params)
+            if result is None:
+                return None
+            row = probe_row(params, result, source=f"the finder's trial, {FINDER_STEPS} untimed steps")
+            if result.ok and not result.fits(self.ceiling):
+                row["status"] = "over ceiling"
+            self.fit_rows[key] = row
+        return self.fit_rows[key]
 
     def fits(self, row: dict[str, Any] | None) -> bool | None:
         """True: ran under the ceiling; False: out of memory or over it; None: says nothing of memory (crash, timeout, not run)."""
@@ -864,16 +887,18 @@ class SideBySide:
 
 
 def _largest_batch(ctx: Context, table: Any, params: TrialParams, ceiling: int | None) -> tuple[int | None, float, int, str | None]:
-    """Lightning's ``binsearch`` batch finder: double from ``finder_start`` (transformers' default batch, 8, on the GPU) until a probe does not fit,
-    then halve the interval until it is one wide. (largest fitting batch, probe seconds, probes run here, why it stopped
-    before its answer: None when it finished). A probe that ends without saying anything of memory (the box spent, a
-    timeout, a crash) stops the finder without an answer: the largest batch measured so far is only a lower bound."""
+    """Lightning's ``binsearch`` batch finder: double from ``finder_start`` (transformers' default batch, 8, on the GPU) until a trial does not fit,
+    then halve the interval until it is one wide; each trial :data:`FINDER_STEPS` untimed steps in a fresh process, as
+    Lightning's ``steps_per_trial`` (:meth:`SideBySide.fit_probe`). (largest fitting batch, trial seconds, trials run here,
+    why it stopped before its answer: None when it finished). A trial that ends without saying anything of memory (the
+    box spent, a timeout, a crash) stops the finder without an answer: the largest batch that fitted is only a lower bound."""
     plan = ctx.plan
     low, high, size = 0, None, plan.finder_start
     spent, probes = 0.0, 0
     for _ in range(plan.finder_max_trials):
-        already = params.replace(per_device_train_batch_size=size).key() in table.rows
-        row = table.probe(params.replace(per_device_train_batch_size=size))
+        key = params.replace(per_device_train_batch_size=size).key()
+        already = key in table.rows or key in table.fit_rows
+        row = table.fit_probe(params.replace(per_device_train_batch_size=size))
         if row is None:
             return (low or None), spent, probes, f"no time left in the box for batch {size}"
         if not already:
@@ -930,7 +955,7 @@ def _side_by_side_markdown(ctx: Context, data: dict[str, Any], check: dict[str, 
         f"{fmt(run['wall_s'], 's')}; its baseline (transformers' defaults), its expert-rule reference and its best are read from its "
         f"study; the other rows are probed after it with its evaluator. A row out of memory is measured one batch size of the space "
         f"down, whichever row it is. Time to find: autotune's until its best was first measured; auto_find's whole `Trainer.train()`; "
-        f"the finder's probes. MFU: achieved model FLOP/s over one denominator for every row, named in the header.\n\n"
+        f"the finder's trials. MFU: achieved model FLOP/s over one denominator for every row, named in the header.\n\n"
         f"{table}\n\n{auto_line}.\n\n{check_line}." + "".join(f"\n\n{s}." for s in stepped)
     )
 

@@ -9,6 +9,7 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 
@@ -239,6 +240,30 @@ def test_a_finder_stopped_by_a_timeout_gives_no_answer_only_a_lower_bound(tmp_pa
     largest, _, probes, stopped = gpu_phases._largest_batch(_context(tmp_path), _table(tmp_path, fake, 10**9), TrialParams(), ceiling=10**9)
     assert fake.batches == [8, 16] and probes == 2
     assert largest == 8 and stopped is not None and "batch 16 ended timeout" in stopped
+
+
+def test_the_finder_runs_lightnings_short_untimed_trials_and_the_row_one_full_probe(tmp_path: Path) -> None:
+    # Lightning's binsearch runs steps_per_trial=3 steps per batch, untimed; the row's figures come from one probe of
+    # the run's protocol at the batch it settles on.
+    from autotune.probe.evaluator import ProbeEvaluator
+
+    calls: list[tuple[int, int, int]] = []
+
+    def evaluate(self: ProbeEvaluator, params: TrialParams, *, timeout_s: float) -> ProbeResult:
+        calls.append((params.per_device_train_batch_size, self.warmup_steps, self.measure_steps))
+        if params.per_device_train_batch_size > 20:
+            return ProbeResult(status="oom", error="OutOfMemoryError", wall_s=1.0)
+        return ProbeResult(status="ok", samples_per_s=1.0, peak_mem_bytes=params.per_device_train_batch_size, wall_s=1.0, measured_steps=1)
+
+    evaluator = ProbeEvaluator(model={}, seq_len=8, device="cpu", warmup_steps=3, measure_steps=8)
+    table = gpu_phases.SideBySide(_context(tmp_path), evaluator, 10**9, [8, 16, 24, 32], _Study())
+    with mock.patch.object(ProbeEvaluator, "evaluate", evaluate):
+        largest, _, trials, stopped = gpu_phases._largest_batch(_context(tmp_path), table, TrialParams(), ceiling=10**9)
+        assert largest == 20 and stopped is None
+        assert {(w, m) for _, w, m in calls} == {(1, gpu_phases.FINDER_STEPS - 1)} and trials == len(calls)
+        assert not table.rows  # a trial is no row of the table
+        row = table.measured_row(TrialParams(per_device_train_batch_size=largest))
+    assert calls[-1] == (20, 3, 8) and row["status"] == "ok"
 
 
 def test_every_row_out_of_memory_steps_down_one_batch_size_of_the_space(tmp_path: Path) -> None:
