@@ -820,32 +820,28 @@ class SideBySide:
 
     def probe(self, params: TrialParams) -> dict[str, Any] | None:
         """The configuration's figures, probed here if the run did not measure it; None when the box is spent."""
-        key = params.key()
-        if key not in self.rows:
-            result = self.ctx.probe(self.evaluator, params)
-            if result is None:
-                return None
-            row = probe_row(params, result, source="probed here, the run's protocol")
-            if result.ok and not result.fits(self.ceiling):
-                row["status"] = "over ceiling"
-            self.rows[key] = row
-        return self.rows[key]
+        return self._probed(self.evaluator, self.rows, params, "probed here, the run's protocol")
 
     def fit_probe(self, params: TrialParams) -> dict[str, Any] | None:
         """Whether ``params`` fits, as a batch finder's trial asks it: read where this call measured it already, else
         :data:`FINDER_STEPS` untimed steps (not a row of the table); None when the box is spent."""
+        if params.key() in self.rows:
+            return self.rows[params.key()]
+        return self._probed(self.finder_evaluator, self.fit_rows, params, f"the finder's trial, {FINDER_STEPS} untimed steps")
+
+    def _probed(self, evaluator: Any, cache: dict[tuple[Any, ...], dict[str, Any]], params: TrialParams, source: str) -> dict[str, Any] | None:
+        """``params``' row in ``cache``, probed with ``evaluator`` the first time (an ok probe over the ceiling reads
+        "over ceiling"); None when the box is spent."""
         key = params.key()
-        if key in self.rows:
-            return self.rows[key]
-        if key not in self.fit_rows:
-            result = self.ctx.probe(self.finder_evaluator, params)
+        if key not in cache:
+            result = self.ctx.probe(evaluator, params)
             if result is None:
                 return None
-            row = probe_row(params, result, source=f"the finder's trial, {FINDER_STEPS} untimed steps")
+            row = probe_row(params, result, source=source)
             if result.ok and not result.fits(self.ceiling):
                 row["status"] = "over ceiling"
-            self.fit_rows[key] = row
-        return self.fit_rows[key]
+            cache[key] = row
+        return cache[key]
 
     def fits(self, row: dict[str, Any] | None) -> bool | None:
         """True: ran under the ceiling; False: out of memory or over it; None: says nothing of memory (crash, timeout, not run)."""
