@@ -437,9 +437,9 @@ class MemoryModel:
         uncertainty says the model is wrong there, so it steps down more (x0.6 at r = 4). By at
         least one (a model that already predicted the OOM has nothing to correct). With no prediction, or
         a static part over the ceiling, it halves. On an H100 (polyglot-ko-1.3b bf16 compiled, seq 512,
-        2026-11-27 and -28) the fp32 baseline's one peak left the prediction at 56 35 % low: the median
-        rule tries 48 (68.2 GiB under the 75.7 GiB ceiling, the expert's batch); dividing by ``r`` once
-        more tried 40, 0.96 of it.
+        2026-11-27 and -28) the fp32 baseline's one peak left the prediction at 56 at least 25 % low: the
+        median rule tries 48 (68.2 GiB under the 75.7 GiB ceiling, the expert's batch); dividing by ``r``
+        once more tried 40, 0.96 of it.
         """
         candidate = TrialParams.from_dict({**params.to_dict(), "per_device_train_batch_size": oom_batch})
         predicted = self.predict(candidate)
