@@ -3,6 +3,7 @@
 # with DeepSpeed's ZeRO-Offload by `autotune run`, its measured GPU and host peaks beside the memory model's prediction.
 #   bash bench/gpu_offload_study.sh DIR [BUDGET]        (default 8m; needs make wheelhouse-deepspeed, carried with the call)
 #   CEILING=75GiB bash bench/gpu_offload_study.sh DIR   (a larger card held to an 80 GB card's ceiling: the probes' allocator cap)
+#   SPACE=FILE.yaml RUN_ARGS="--warmup-steps 2"          (another space than the one below; more arguments of autotune run)
 # Writes into DIR: the prediction (estimate.json, autotune estimate --host-memory), the space, the study
 # (autotune.db), its report, best.json, the run's log, nvidia-smi, the host's memory and the versions.
 set -u
@@ -33,7 +34,7 @@ device_memory=${ceiling:-$(python -c "import torch; print(int(0.95 * torch.cuda.
 echo "model $model ceiling ${ceiling:-95% of the card} (estimate --device-memory $device_memory) host $host" | tee -a "$dir/calls.txt"
 python -m autotune estimate --model "$model" --seq-len 512 --device-memory "$device_memory" \
     --host-memory "$host" --json > "$dir/estimate.json" 2> "$dir/estimate.err"
-cat > "$dir/offload_space.yaml" <<'YAML'
+if [ -n "${SPACE:-}" ]; then cp "$SPACE" "$dir/offload_space.yaml"; else cat > "$dir/offload_space.yaml" <<'YAML'
 # Full fine-tuning that fits only with offload: bf16 AdamW, the offload values against none (which does not fit).
 per_device_train_batch_size: [1, 2, 4, 8, 16, 32]
 gradient_accumulation_steps: [1, 4]
@@ -45,8 +46,9 @@ dataloader_num_workers: [2]
 gradient_checkpointing: [false, true]
 sharding: [none, zero2_offload, zero3_offload]
 YAML
+fi
 start=$(date +%s)
-python -m autotune run --model "$model" --seq-len 512 --space "$dir/offload_space.yaml" --budget "$budget" ${ceiling:+--memory-ceiling "$ceiling"} \
+python -m autotune run --model "$model" --seq-len 512 --space "$dir/offload_space.yaml" --budget "$budget" ${ceiling:+--memory-ceiling "$ceiling"} ${RUN_ARGS:-} \
     --storage "sqlite:///$dir/autotune.db" --report-dir "$dir" --output "$dir/best.json" > "$dir/run.log" 2>&1
 rc=$?
 echo "offload run exit $rc wall $(( $(date +%s) - start ))s" | tee -a "$dir/calls.txt"

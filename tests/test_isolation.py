@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from autotune.models import resolve_model
 from autotune.params import TrialParams
 from autotune.probe import device, isolation
 from autotune.records import ProbeResult, ProbeSpec
-from tests.test_device import FakeNvml, gpu_uuid
+from tests.test_device import FakeNvml, gpu_uuid, mig_uuid
 
 DISTRIBUTED = {
     "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "10.0.0.1",
@@ -54,6 +55,18 @@ def test_child_env_resolves_the_users_gpu_when_not_given(monkeypatch) -> None:
     # cuda:1 of a process that sees GPUs 2 and 0 is physical GPU 0, never "CUDA_VISIBLE_DEVICES=1".
     assert isolation.child_env(_spec("cuda:1"))["CUDA_VISIBLE_DEVICES"] == gpu_uuid(0)
     assert isolation.child_env(_spec("cuda"))["CUDA_VISIBLE_DEVICES"] == gpu_uuid(2)
+
+
+def test_a_deepspeed_probe_names_its_gpus_by_pci_ordinal_as_deepspeed_parses_integers(monkeypatch) -> None:
+    # NVML numbers GPU 0 at PCI bus 7, GPU 1 at bus 3, GPU 2 at bus 5: PCI order is NVML 1, 2, 0, (3).
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(pci_bus=[7, 3, 5, 9]).module())
+    sharded = replace(_spec("cuda:0"), params=TrialParams(per_device_train_batch_size=4, sharding="zero2_offload"))
+    assert isolation.child_env(sharded, device_uuid=gpu_uuid(0))["CUDA_VISIBLE_DEVICES"] == "2"
+    assert isolation.child_env(replace(sharded, nproc=2), device_uuid=f"{gpu_uuid(1)},{gpu_uuid(0)}")["CUDA_VISIBLE_DEVICES"] == "0,2"
+    # Without DeepSpeed the UUID stays (it cannot name another GPU); so it does for a MIG instance, which no integer names.
+    assert isolation.child_env(_spec("cuda:0"), device_uuid=gpu_uuid(0))["CUDA_VISIBLE_DEVICES"] == gpu_uuid(0)
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(migs={0: 2}).module())
+    assert isolation.child_env(sharded, device_uuid=mig_uuid(0, 1))["CUDA_VISIBLE_DEVICES"] == mig_uuid(0, 1)
 
 
 def test_a_cpu_probe_keeps_the_visible_devices_but_not_the_job(monkeypatch) -> None:

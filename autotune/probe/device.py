@@ -211,6 +211,23 @@ def resolve_gpu(pynvml: Any, position: int, visible: str | None, order: str | No
 _warned: set[str] = set()
 
 
+def pci_ordinals(uuids: list[str]) -> list[int] | None:
+    """The ordinals that name these whole GPUs in ``CUDA_VISIBLE_DEVICES`` under ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (their
+    places in PCI bus order, the order nvidia-smi numbers them in), or None: a MIG instance (only its UUID names it), a
+    UUID NVML does not know, or no NVML. For engines that parse that variable as integers (DeepSpeed's CUDA accelerator
+    reads ``nvmlDeviceGetHandleByIndex(int(entry))``)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        order = [gpu.uuid for gpu in _physical_gpus(pynvml)]
+    except Exception:  # noqa: BLE001 - no pynvml, no driver: NVML raises its own error classes
+        return None
+    if not all(uuid in order for uuid in uuids):
+        return None
+    return [order.index(uuid) for uuid in uuids]
+
+
 def _warn_if_mixed(pynvml: Any) -> None:
     names = sorted({gpu.name for gpu in _physical_gpus(pynvml)})
     if len(names) < 2:

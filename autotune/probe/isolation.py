@@ -466,19 +466,34 @@ def child_env(spec: ProbeSpec, device_uuid: str | None = None) -> dict[str, str]
     """The child's environment: the user's, pinned to one GPU, out of any distributed job, with libraries kept quiet.
 
     On a GPU the child sees one device (a probe of ``spec.nproc`` ranks: that many, :func:`autotune.probe.ranks.probe_gpus`), named by
-    its NVML UUID (``device_uuid``, comma-separated for several, else resolved from ``spec.device``), so it is
-    always ``cuda:0`` there (a rank: ``cuda:LOCAL_RANK``), and NVML finds the same GPU by that UUID.
+    its NVML UUID (``device_uuid``, comma-separated for several, else resolved from ``spec.device``; a DeepSpeed probe: by
+    its ordinal in PCI bus order, :func:`_ordinals_for_deepspeed`), so it is always ``cuda:0`` there (a rank:
+    ``cuda:LOCAL_RANK``), and NVML finds the same GPU.
     ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` makes the child's CUDA and NVML number GPUs alike, should
     anything in it count them.
     """
     env = {key: value for key, value in os.environ.items() if not ranks.is_distributed_var(key)}
     if spec.device.startswith("cuda"):
-        env["CUDA_VISIBLE_DEVICES"] = device_uuid or ",".join(resolve_device_uuid(d) for d in ranks.probe_gpus(spec.device, spec.nproc))
+        pinned = device_uuid or ",".join(resolve_device_uuid(d) for d in ranks.probe_gpus(spec.device, spec.nproc))
+        env["CUDA_VISIBLE_DEVICES"] = _ordinals_for_deepspeed(spec, pinned)
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("TRANSFORMERS_VERBOSITY", "error")
     env.setdefault("PYTHONWARNINGS", "ignore")
     return env
+
+
+def _ordinals_for_deepspeed(spec: ProbeSpec, uuids: str) -> str:
+    """``uuids`` as the child's ``CUDA_VISIBLE_DEVICES``; for a DeepSpeed probe, the same GPUs by their PCI-order ordinals
+    where they have them: DeepSpeed's CUDA accelerator parses that variable as integers and crashes on a UUID
+    (``ValueError: invalid literal for int()`` in ``_get_nvml_gpu_id``, from ZeRO's optimizer set-up)."""
+    from autotune.probe.device import pci_ordinals
+    from autotune.sharding import needs_process_group
+
+    if not needs_process_group(spec.params.sharding):
+        return uuids
+    ordinals = pci_ordinals(uuids.split(","))
+    return uuids if ordinals is None else ",".join(str(ordinal) for ordinal in ordinals)
 
 
 def fixed_overhead_s(result: ProbeResult) -> float | None:
