@@ -184,23 +184,29 @@ def _state_bytes(dims: ModelDims, precision: str, optim: str, sharding: str) -> 
     # Gradients have the parameters' dtype (fp32 under AMP too), and so does the state of torch's optimizers.
     gradients = 4 * trainable if dims.trainable_bytes is None else dims.trainable_bytes
     optimizer = optimizer_state_bytes(optim, trainable, dims.hidden_size, dims.trainable_bytes)
-    if sharding != NO_SHARDING and amp:
-        # DeepSpeed's mixed precision holds the module and its gradients in 16 bits and an fp32 master copy of the
-        # trainable weights with the optimizer state: 2 + 2 + K bytes per parameter (Rajbhandari et al. 2020, "ZeRO", sec. 3.1).
-        weights -= 4 * fp32
-        gradients //= 2
+    if sharding != NO_SHARDING:
+        # DeepSpeed's ZeRO steps an fp32 master copy of the trainable weights with the optimizer state (a clone also when
+        # the module is fp32: stage_1_and_2's single_partition_of_fp32_groups); under mixed precision it holds the module
+        # and its gradients in 16 bits: 2 + 2 + K bytes per parameter (Rajbhandari et al. 2020, "ZeRO", sec. 3.1).
         optimizer += 4 * trainable
+        if amp:
+            weights -= 4 * fp32
+            gradients //= 2
     return weights, gradients, optimizer
 
 
 def host_state_bytes(dims: ModelDims, params: TrialParams) -> int:
     """Host memory the training state takes under ``params.sharding`` (all ranks together): the offloaded optimizer
-    state and parameters; 0 without offload (the processes' own host memory, a few GiB each, is not modelled)."""
+    state with its fp32 master weights and the fp32 gradients it steps on, and offloaded parameters; 0 without offload
+    (the processes' own host memory, a few GiB each, is not modelled). Mixed-precision AdamW: 16 bytes per parameter
+    offloading the optimizer, 18 with the parameters too, DeepSpeed's own figures (``estimate_zero2_model_states_mem_needs``,
+    ``estimate_zero3_...``, without their 1.5 safety factor)."""
     if params.sharding == NO_SHARDING:
         return 0
     weights, _, optimizer = _state_bytes(dims, params.precision, params.optim, params.sharding)
     keep_weights, keep_optimizer = host_shares(params.sharding)
-    return int(weights * keep_weights + optimizer * keep_optimizer)
+    fp32_gradients = 4 * dims.trainable if dims.trainable_bytes is None else dims.trainable_bytes
+    return int(weights * keep_weights + (optimizer + fp32_gradients) * keep_optimizer)
 
 
 def activation_bytes_per_sample(dims: ModelDims, params: TrialParams, seq_len: int) -> int:
