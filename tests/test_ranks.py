@@ -17,6 +17,7 @@ from autotune.plan import plan_run
 from autotune.probe import isolation, ranks
 from autotune.records import ProbeResult, ProbeSpec, ProbeStatus
 from autotune.studies import opening
+from autotune.studies.reading import killed
 
 RANK_OOM = Path(__file__).parent / "data" / "trainers" / "rank_oom.py"
 
@@ -160,6 +161,19 @@ def test_an_oom_on_rank_1_ends_every_rank_and_comes_back_as_the_probes_oom() -> 
     assert result.status is ProbeStatus.OOM, result.error
     assert result.error.startswith("rank 1 of 2: OutOfMemoryError")
     assert {r["rank"]: r["status"] for r in result.extra["ranks"]}.get(1) == "oom"
+    assert _probe_processes() == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc, sharding", [(2, "none"), (1, "zero2")])
+def test_a_rank_killed_by_sigkill_is_named_so_and_probed_once_more(nproc, sharding) -> None:
+    # torchrun exits 1 when a rank dies of a signal; the probe says which, as a lone process's exit code does: the
+    # kernel's OOM killer ends a probe that fills the host so (an H200's fp32 zero3_offload probe, 2026-11-28).
+    spec = ProbeSpec(model={}, params=TrialParams(per_device_train_batch_size=4, sharding=sharding), seq_len=32, device="cpu",
+                     warmup_steps=1, measure_steps=3, nproc=nproc, trainer=f"{RANK_OOM}:make_killed_trainer")
+    result = isolation.run_isolated(spec, timeout_s=600)
+    assert killed(result), result.error  # says nothing yet of the configuration: probed once more
+    assert result.error.startswith("probe process killed by SIGKILL (the kernel's OOM killer?)"), result.error
     assert _probe_processes() == []
 
 

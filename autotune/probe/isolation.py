@@ -441,6 +441,26 @@ def _tail(path: Path) -> str:
         return ""
 
 
+_TORCHRUN_EXITCODE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)\b", re.MULTILINE)  # its failure summary: "exitcode  : -9 (pid: 1210)"
+
+
+def _rank_signal(log_path: Path) -> int | None:
+    """The signal that killed a rank of a torchrun probe, from torchrun's failure summary in the probe's log (the ranks it
+    saw fail before it stopped the others, each with its exit code, negative for a signal); None if none died so. Its
+    "first observed failure" is no guide: a peer that crashed on the lost connection can be observed first."""
+    signals = {-int(code) for code in _TORCHRUN_EXITCODE.findall(_tail(log_path)) if int(code) < 0} & {s.value for s in signal.Signals}
+    if not signals:
+        return None
+    return signal.SIGKILL.value if signal.SIGKILL.value in signals else min(signals)
+
+
+def _killed_reason(signal_number: int) -> tuple[str, bool]:
+    """What a probe process killed by ``signal_number`` says, and whether it was killed from outside (then it is probed once
+    more: :func:`autotune.studies.reading.killed`)."""
+    hint = " (the kernel's OOM killer?)" if signal_number == signal.SIGKILL else ""
+    return f"probe process killed by {signal.Signals(signal_number).name}{hint}", signal_number in (signal.SIGKILL, signal.SIGTERM)
+
+
 _uuid_cache: dict[tuple[str, str | None, str | None], str] = {}
 
 
@@ -681,8 +701,13 @@ def run_isolated(
             return ProbeResult(
                 status=ProbeStatus.TIMEOUT, error=f"probe passed its {timeout_s:.0f} s deadline and was killed", wall_s=wall_s
             )
+        # torchrun exits 1 when a rank dies of a signal: its failure summary says which, as a lone process's exit code would.
+        killed_by = _rank_signal(log_path) if as_ranks and returncode != 0 else None
         if spec.nproc > 1 and (reported := ranks.read_results(result_path, spec.nproc)):
             result = ranks.combine(reported, spec.nproc).replace(wall_s=wall_s)
+            if killed_by is not None and result.status is ProbeStatus.CRASH:  # the others' crashes followed from it (a peer gone)
+                reason, lost = _killed_reason(killed_by)
+                result = result.replace(error=f"{reason}: {result.error}", process_lost=lost)
             if not any(r is not None and r.status is not ProbeStatus.OK for r in reported) and result.status is not ProbeStatus.OK:
                 result = result.replace(error=f"{result.error}\n{_tail(log_path)}".strip())  # a rank died without a word
             return result.replace(overhead_s=fixed_overhead_s(result))
@@ -694,12 +719,12 @@ def run_isolated(
                 return ProbeResult(status=ProbeStatus.CRASH, error=f"unreadable probe result: {exc}", wall_s=wall_s)
             return result.replace(overhead_s=fixed_overhead_s(result))
         lost = False
+        if killed_by is not None:
+            returncode = -killed_by
         if returncode == UNREPORTED_EXIT_CODE and isinstance(child, _ForkedChild) and server_problem() is not None:
             reason, lost = LOST_WITH_SERVER, True
         elif returncode < 0:
-            name = signal.Signals(-returncode).name
-            hint = " (the kernel's OOM killer?)" if -returncode == signal.SIGKILL else ""
-            reason, lost = f"probe process killed by {name}{hint}", -returncode in (signal.SIGKILL, signal.SIGTERM)
+            reason, lost = _killed_reason(-returncode)
         else:
             reason = f"probe process exited with code {returncode} without a result"
         tail = _tail(log_path)

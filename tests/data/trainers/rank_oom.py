@@ -1,4 +1,5 @@
-"""A Trainer factory for tests/test_ranks.py: a training that runs out of memory on one rank only, through the real
+"""Trainer factories for tests/test_ranks.py: a training that runs out of memory on one rank only, and one whose last
+rank is killed by SIGKILL (as the kernel's OOM killer kills a process that fills the host), through the real
 ``--trainer`` path of a multi-process probe.
 
 On rank 1 (torchrun's ``RANK``) the third micro-batch raises ``torch.OutOfMemoryError``, as a GPU that fills up
@@ -9,6 +10,7 @@ in the data-parallel all-reduce, which never come.
 from __future__ import annotations
 
 import os
+import signal
 
 import torch
 from transformers import AutoModelForCausalLM, GPTNeoXConfig, Trainer, TrainingArguments
@@ -41,3 +43,18 @@ class OneRankRunsOut(Trainer):
 def make_trainer(args: TrainingArguments, attn_implementation: str | None) -> Trainer:
     model = AutoModelForCausalLM.from_config(GPTNeoXConfig(**CONFIG), attn_implementation=attn_implementation)
     return OneRankRunsOut(model=model, args=args, train_dataset=Tokens())
+
+
+class LastRankKilled(Trainer):
+    micro_batches = 0
+
+    def training_step(self, *args, **kwargs):
+        self.micro_batches += 1
+        if int(os.environ.get("RANK", "0")) == int(os.environ.get("WORLD_SIZE", "1")) - 1 and self.micro_batches >= OOM_AT_MICRO_BATCH:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().training_step(*args, **kwargs)
+
+
+def make_killed_trainer(args: TrainingArguments, attn_implementation: str | None) -> Trainer:
+    model = AutoModelForCausalLM.from_config(GPTNeoXConfig(**CONFIG), attn_implementation=attn_implementation)
+    return LastRankKilled(model=model, args=args, train_dataset=Tokens())
