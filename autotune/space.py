@@ -13,7 +13,7 @@ import importlib.util
 import math
 import random
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +102,9 @@ class SearchSpace:
     # The batch-size rule's multiple_of when the file says ``grow: memory``: a run on a GPU adds larger
     # batch sizes while the memory model says they can fit (:meth:`with_batches_up_to`); None: fixed.
     grow_batches_by: int | None = None
+    # Values in ``choices`` only so the baseline is a point of the space (:meth:`including`), not to be searched:
+    # the user's space file left them out (:meth:`beyond_user_space`).
+    reference_values: dict[str, tuple[Any, ...]] = field(default_factory=dict)
 
     @property
     def free_params(self) -> tuple[str, ...]:
@@ -172,7 +175,7 @@ class SearchSpace:
         dropped = (*self.dropped, *(Dropped(name, v, reason) for v, reason in reasons.items()))
         if not kept:
             raise _nothing_left(name, dropped)
-        return SearchSpace(self.name, {**self.choices, name: kept}, self.effective_batch_size, dropped, self.grow_batches_by)
+        return replace(self, choices={**self.choices, name: kept}, dropped=dropped)
 
     def unrunnable(self, params: TrialParams) -> str | None:
         """Why a point of this space cannot train though each of its values can (a combination), or None."""
@@ -200,13 +203,23 @@ class SearchSpace:
         return baseline_params(self.effective_batch_size, tuple(self.choices["per_device_train_batch_size"]))
 
     def including(self, params: TrialParams) -> SearchSpace:
-        """This space with ``params``'s values added where missing (first), so ``params`` is a point of it."""
+        """This space with ``params``'s values added where missing (first), so ``params`` is a point of it; the added
+        values are :attr:`reference_values`, not searched."""
         space = self
         for name in self.free_params:
             value = getattr(params, name)
             if value not in space.choices[name]:
-                space = space.with_values(name, (value, *space.choices[name]))
+                added = {**space.reference_values, name: (*space.reference_values.get(name, ()), value)}
+                space = replace(space.with_values(name, (value, *space.choices[name])), reference_values=added)
         return space
+
+    def beyond_user_space(self, params: TrialParams) -> str | None:
+        """Why a point is not searched though it is in :attr:`choices`: a value only the baseline's (:meth:`including`)."""
+        for name, values in self.reference_values.items():
+            value = getattr(params, name)
+            if value in values:
+                return f"{name}={value} is in the space only as the baseline's: list it in the space file to search it"
+        return None
 
     def to_dict(self) -> dict[str, Any]:
         """The space as stored with a study. A later knob held at its default alone is left out, with
@@ -218,7 +231,7 @@ class SearchSpace:
             "choices": {k: list(v) for k, v in self.choices.items() if k not in unseen},
             "effective_batch_size": self.effective_batch_size,
             "dropped": [str(d) for d in self.dropped if d.param not in unseen],
-        }
+        } | ({"reference_values": {k: list(v) for k, v in self.reference_values.items()}} if self.reference_values else {})
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SearchSpace:
@@ -232,10 +245,11 @@ class SearchSpace:
         if choices:  # a later knob missing from a stored space was held at its default (see to_dict)
             defaults = PARAM_DEFAULTS
             choices.update({k: (defaults[k],) for k in KNOBS_ADDED_LATER if k not in choices})
-        return cls(str(data.get("name", "")), choices, data.get("effective_batch_size"), tuple(dropped))
+        reference = {k: tuple(v) for k, v in (data.get("reference_values") or {}).items()}
+        return cls(str(data.get("name", "")), choices, data.get("effective_batch_size"), tuple(dropped), reference_values=reference)
 
     def with_values(self, param: str, values: tuple[Any, ...]) -> SearchSpace:
-        return SearchSpace(self.name, {**self.choices, param: values}, self.effective_batch_size, self.dropped, self.grow_batches_by)
+        return replace(self, choices={**self.choices, param: values})
 
     def with_batches_up_to(self, largest_fitting: int, limit: int = MAX_GROWN_BATCH) -> SearchSpace:
         """Batch sizes above the file's ``max``, up to ``largest_fitting`` (at most ``limit``), where the
@@ -309,7 +323,7 @@ class SearchSpace:
                     "use a multiple of 8 such as 64, or list a divisor in per_device_train_batch_size"
                 )
             choices["per_device_train_batch_size"] = batch_sizes
-        return SearchSpace(self.name, choices, effective_batch_size, tuple(dropped), self.grow_batches_by)
+        return replace(self, choices=choices, effective_batch_size=effective_batch_size, dropped=tuple(dropped))
 
 
 def _nothing_left(name: str, dropped: Iterable[Dropped]) -> UsageError:

@@ -62,6 +62,23 @@ class TestEveryStrategy:
         assert len({p.key() for p in calls}) == len(calls)
 
 
+    def test_searches_only_the_users_values_where_the_baseline_added_its_own(self, name) -> None:
+        # A space file without fp32 and without 0 loader workers (the H200 offload study listed bf16 alone, and the search
+        # spent five of eight probes on fp32): the baseline's values join the space so it can run, and only it, the
+        # expert rule's row and that row's neighbours use them.
+        table = load_table(TINY)
+        user = table.space().with_values("precision", ("bf16",)).with_values("dataloader_num_workers", (4,))
+        space = user.including(baseline_params())
+        assert space.reference_values == {"precision": ("fp32",), "dataloader_num_workers": (0,)}
+        assert SearchSpace.from_dict(space.to_dict()).reference_values == space.reference_values  # stored with the study
+        evaluator = ReplayEvaluator(table)
+        study = optuna.create_study(direction="maximize")
+        settings = SearchSettings(memory_ceiling_bytes=40 * GiB, budget_s=4 * 3600, min_probe_s=1)
+        outcome = run_search(study, space, evaluator, settings, baseline=baseline_params(), clock=evaluator.clock, strategy=make_strategy(name))
+        probed = [r.params for r in outcome.records if not r.is_baseline]
+        assert probed and all(p.precision == "bf16" and p.dataloader_num_workers == 4 for p in probed), [p.short() for p in probed]
+
+
 def test_the_cli_names_the_registrys_strategies_and_default() -> None:
     import autotune.defaults as defaults
 

@@ -58,7 +58,7 @@ def expert_params(space: SearchSpace, base: TrialParams, memory: Any, ceiling_by
             continue
         if name == "attn_implementation" and rank_attention is not None:
             preferred = tuple(rank_attention)
-        choices = space.choices.get(name, ())
+        choices = [v for v in space.choices.get(name, ()) if v not in space.reference_values.get(name, ())]  # the user's values
         value = next((v for v in preferred if v in choices), None)
         if value is not None:
             changes[name] = value

@@ -440,7 +440,7 @@ def run_search(
             # configuration and, while it has not run under the ceiling, its nearest neighbours, a
             # configuration whose process died, the fresh point after a repeat, the strategy's proposal;
             # else the sampler's.
-            proposal, role, retry_of = None, None, None
+            proposal, role, retry_of, reference = None, None, None, False  # reference: a reference row's, not a search's
             retry = reading.retry_candidates(trials)
             if reading.has_waiting(trials):
                 pass
@@ -452,7 +452,7 @@ def run_search(
                 retry_of = next((t.number for t in retry if reading.config_key(t) == expert.key()), None)
             elif (expert is not None and (neighbour := _expert_neighbour(space, expert, synced, state, settings)) is not None
                   and _can_finish(neighbour, synced, available_s)):
-                proposal = neighbour
+                proposal, reference = neighbour, True
             elif retry:
                 proposal, retry_of = TrialParams.from_dict(retry[0].user_attrs[schema.ATTR_PARAMS]), retry[0].number
             elif fresh is not None:
@@ -496,7 +496,9 @@ def run_search(
                 predicted = memory.predict(params)
                 if predicted is not None:
                     writing.record_predicted_peak(trial, predicted)
-                reason = space.unrunnable(params) or (strategy.prune(params, state) if strategy is not None else None)
+                reference = reference or any(row is not None and key == row.key() for row in (baseline, expert))  # enqueued too
+                reason = (space.unrunnable(params) or (None if reference else space.beyond_user_space(params))
+                          or (strategy.prune(params, state) if strategy is not None else None))
                 if reason is not None:
                     synced.seen[key] = writing.record_pruned(study, trial, params, reason, predicted, settings.memory_ceiling_bytes)
                     open_trial = None

@@ -40,6 +40,7 @@ class Context:
     flat_of_key: dict[tuple[Any, ...], int | None] = field(default_factory=dict)
     group_params: dict[int, TrialParams] = field(default_factory=dict)  # per group, a configuration of it
     main_process_loading: int | None = None  # the surrogate's feature of 0 loader workers, if the space has it
+    user_space: np.ndarray | bool = True  # grid-broadcastable: no value only the baseline's (SearchSpace.reference_values)
 
     @classmethod
     def of(cls, space: SearchSpace) -> Context:
@@ -59,6 +60,10 @@ class Context:
         context = cls(grid, surrogate, groups, batch_values, accum_grid, compile_values, other_axes)
         if WORKERS in grid.names and 0 in grid.values[WORKERS] and len(grid.values[WORKERS]) > 1:
             context.main_process_loading = surrogate.index_of(f"{WORKERS}=0")
+        for name, values in space.reference_values.items():
+            if name in grid.names:
+                searched = np.array([v not in values for v in grid.values[name]]).reshape(grid.broadcast_shape((name,)))
+                context.user_space = context.user_space & searched
         return context
 
     def refresh_lines(self, stamp: int) -> None:

@@ -80,7 +80,7 @@ class BayesStrategy(Strategy):
         p_ok = np.broadcast_to(self._p_ok(context, state), grid.shape)
         cost_ok, cost_fail = probe_costs(context, history, mean)
         # What may be proposed at all.
-        allowed = p_ok > 0.0
+        allowed = (p_ok > 0.0) & context.user_space
         allowed = allowed & ~context.batch_grid(evidence.ruled_out)
         if state.remaining_s is not None:
             allowed = allowed & (cost_ok <= state.remaining_s)
