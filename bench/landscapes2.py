@@ -476,7 +476,6 @@ def search_draw(strategy: str, index: int, budget_s: float, seed: int, noise_str
     import optuna
 
     from autotune.search.loop import SearchSettings, ranked_configurations, run_search
-    from autotune.search.memory import MemoryModel
     from autotune.search.strategies.registry import make_strategy
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -497,9 +496,8 @@ def search_draw(strategy: str, index: int, budget_s: float, seed: int, noise_str
     from bench.table_expert import table_expert
 
     # The search runs the product's own expert rule (its batch from the table's recorded peaks), as a run does.
-    # ... and knows its model's size (its config): the replay's memory model is told the parameter count, not the rest.
     outcome = run_search(study, space, evaluator, settings, baseline=space.baseline(), expert=table_expert(table, d.ceiling_bytes),
-                         clock=evaluator.clock, strategy=chosen, memory=MemoryModel(num_parameters=float(d.traits["params"])))
+                         clock=evaluator.clock, strategy=chosen)
     cpu_s = time.process_time() - started
     ranked = ranked_configurations(study, d.ceiling_bytes)
     row: dict[str, Any] = {

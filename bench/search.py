@@ -250,7 +250,6 @@ def family_search(strategy: Any, draw: int, budget_s: float, seed: int, log: lis
     import optuna
 
     from autotune.search.loop import SearchSettings, ranked_configurations, run_search
-    from autotune.search.memory import MemoryModel
     from autotune.search.strategies.registry import make_strategy
     from bench.family import FamilyEvaluator
 
@@ -266,9 +265,8 @@ def family_search(strategy: Any, draw: int, budget_s: float, seed: int, log: lis
     study = optuna.create_study(direction="maximize", sampler=chosen.sampler(seed))
     settings = SearchSettings(memory_ceiling_bytes=landscape.ceiling_bytes, budget_s=budget_s, seed=seed, min_probe_s=1.0)
     started = time.process_time()
-    # A run knows its model's size (its config): the replay's memory model is told the parameter count, not the rest.
     outcome = run_search(study, landscape.space, evaluator, settings, baseline=landscape.space.baseline(), expert=expert,
-                         clock=evaluator.clock, strategy=chosen, memory=MemoryModel(num_parameters=landscape.shape.num_parameters))
+                         clock=evaluator.clock, strategy=chosen)
     cpu_s = time.process_time() - started
     ranked = ranked_configurations(study, landscape.ceiling_bytes)
     row: dict[str, Any] = {

@@ -376,21 +376,3 @@ def test_after_an_out_of_memory_probe_with_nothing_known_the_batch_halves() -> N
     params = TrialParams(per_device_train_batch_size=64)
     memory.observe(params, _oom())
     assert memory._limit_after_oom(params, 64, 40 * GiB) == 32
-
-
-def test_a_known_parameter_count_splits_one_peak_into_state_and_activations() -> None:
-    # A drawn landscape's first peaks (no model dims, 0.54B parameters, ceiling 19.5 GiB): bf16 compiled at batch 8,
-    # 17.0 GiB; bf16 checkpointed at 32, 19.1 GiB. Without the parameter count the fit gave most of each peak to the
-    # state, the group without checkpointing was predicted to fit at batch 64 (true peak 66 GiB), and the search ran
-    # out of memory 27 times walking down to it. A run knows its model's size: told it, the model predicts 64 over.
-    first = {("inductor", False, 8): 17.0, ("off", True, 32): 19.1}
-    plain = TrialParams(precision="bf16", optim="adamw_bnb_8bit", attn_implementation="flash_attention_2", per_device_train_batch_size=64)
-    predicted = {}
-    for count in (None, 0.54e9):
-        memory = MemoryModel(oom_floor_bytes=int(19.5 * GiB), num_parameters=count)
-        for (compiled, ckpt, batch), peak in first.items():
-            memory.observe(plain.replace(optim="adamw_torch_fused", torch_compile=compiled, gradient_checkpointing=ckpt,
-                                         per_device_train_batch_size=batch), _ok(peak * GiB))
-        predicted[count] = memory.predict(plain)
-    assert predicted[None] < 19.5 * GiB  # the unidentified split: the walk into out-of-memory probes
-    assert 19.5 * GiB * 1.25 < predicted[0.54e9] < 1.5 * 66 * GiB  # over the ceiling, pruned (truth 66 GiB)

@@ -48,7 +48,6 @@ from autotune.search.memory_prior import (
 from autotune.units import GiB
 
 BASE_PRIOR_SD_BYTES = 0.5 * GiB  # without model dims: the prior sd of that memory, fitted as a constant (MemoryModel._fitted_scales)
-STATIC_PRIOR_SD = 0.25  # without model dims but with the parameter count: the static scale's prior relative sd around it
 GROUP_KEYS = ("precision", "optim", "torch_compile", "attn_implementation", "gradient_checkpointing", "use_liger_kernel", "sharding")
 PRUNE_MARGIN = 0.05  # prune only when predicted over the ceiling by more than this fraction
 UNCALIBRATED_PRUNE_MARGIN = 0.25  # the same for a group never measured, predicted from generic factors
@@ -115,13 +114,10 @@ class MemoryModel:
     Args:
         dims: model dimensions for the analytic prior; ``None`` (a replay) fits generic factors.
         seq_len: tokens per sample (needed with ``dims``).
-        num_parameters: without ``dims``, the model's parameter count where it is known (a replay of a known model):
-            the prior of the generic static feature's scale, which splits a peak into state and activations.
     """
 
     dims: ModelDims | None = None
     seq_len: int = 512
-    num_parameters: float | None = None
     world: int = 1  # ranks per probe: a sharding partitions the state over them
     oom_floor_bytes: int = 0  # an out-of-memory probe's peak was above this (the ceiling: probes enforce it)
     _groups: dict[MemoryGroup, _GroupData] = field(default_factory=dict)
@@ -187,15 +183,10 @@ class MemoryModel:
         else:
             base_prior = min(float(CUDA_CONTEXT_BYTES), 0.5 * float(y.min()))
             if np.linalg.matrix_rank(x) < 2:
-                # Points of one kind only: the prior's constant; the parameter count's share of the peak where it is
-                # known and leaves the activations some, else one common scale for both features.
+                # Points of one kind only: the prior's constant, one common scale for both features.
                 s, a, b, m = rows[-1]
                 self._base_bytes = base_prior
-                left = m - base_prior - (self.num_parameters or 0.0) * s
-                if self.num_parameters and left > 0:
-                    self._scales = (float(self.num_parameters), left / (b * a))
-                else:
-                    self._scales = ((m - base_prior) / (s + b * a),) * 2
+                self._scales = ((m - base_prior) / (s + b * a),) * 2
                 return self._scales
             weight = PEAK_SD * float(np.median(y)) / BASE_PRIOR_SD_BYTES  # the prior's worth against a peak's error
             # Checkpointing's fixed factor (15 % of the activations kept) is the least certain
@@ -206,11 +197,10 @@ class MemoryModel:
             # without checkpointing can carry the fit (two directions), it is theirs;
             # _learn_classes learns what checkpointing keeps.
             plain = np.array([not p.gradient_checkpointing for p, _ in self._observations])
-            static_weight = PEAK_SD * float(np.median(y)) / (STATIC_PRIOR_SD * self.num_parameters) if self.num_parameters else 0.0
             if np.linalg.matrix_rank(x[plain]) >= 2:
-                coef = self._fit_with_base(x[plain], y[plain], base_prior, weight, static_weight)
+                coef = self._fit_with_base(x[plain], y[plain], base_prior, weight)
             else:
-                coef = self._fit_with_base(x, y, base_prior, weight, static_weight)
+                coef = self._fit_with_base(x, y, base_prior, weight)
             self._base_bytes = min(max(float(coef[0]), 0.0), float(y.min()))
             self._scales = (max(float(coef[1]), 0.0), max(float(coef[2]), 1e-12))
             return self._scales
@@ -218,16 +208,12 @@ class MemoryModel:
         self._scales = (max(float(coef[0]), 0.0), max(float(coef[1]), 1e-12))
         return self._scales
 
-    def _fit_with_base(self, x: np.ndarray, y: np.ndarray, base_prior: float, weight: float, static_weight: float = 0.0) -> np.ndarray:
+    @staticmethod
+    def _fit_with_base(x: np.ndarray, y: np.ndarray, base_prior: float, weight: float) -> np.ndarray:
         """Least-squares (constant, static scale, activation scale) for rows ``x`` of (static,
-        activation) features, the constant ridged toward ``base_prior`` with ``weight``, and the static scale toward
-        the parameter count with ``static_weight`` (0: not known)."""
+        activation) features, the constant ridged toward ``base_prior`` with ``weight``."""
         design = np.vstack([np.hstack([np.ones((len(y), 1)), x]), [[weight, 0.0, 0.0]]])
-        target = np.concatenate([y, [weight * base_prior]])
-        if static_weight:
-            design = np.vstack([design, [[0.0, static_weight, 0.0]]])
-            target = np.concatenate([target, [static_weight * float(self.num_parameters or 0.0)]])
-        coef, *_ = np.linalg.lstsq(design, target, rcond=None)
+        coef, *_ = np.linalg.lstsq(design, np.concatenate([y, [weight * base_prior]]), rcond=None)
         return coef
 
     # ---------------------------------------------------------------- predicting
