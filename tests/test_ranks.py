@@ -166,15 +166,32 @@ def test_an_oom_on_rank_1_ends_every_rank_and_comes_back_as_the_probes_oom() -> 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc, sharding", [(2, "none"), (1, "zero2")])
-def test_a_rank_killed_by_sigkill_is_named_so_and_probed_once_more(nproc, sharding) -> None:
-    # torchrun exits 1 when a rank dies of a signal; the probe says which, as a lone process's exit code does: the
-    # kernel's OOM killer ends a probe that fills the host so (an H200's fp32 zero3_offload probe, 2026-11-28).
+def test_a_rank_killed_by_sigkill_is_named_so_and_probed_once_more(nproc, sharding, monkeypatch) -> None:
+    # torchrun exits 1 when a rank dies of a signal; the probe says which, as a lone process's exit code does (an
+    # H200's fp32 zero3_offload probe, 2026-11-28, said "exited with code 1").
+    monkeypatch.setattr(isolation, "host_oom_kills", lambda: 0)  # the kernel's OOM killer ended nothing meanwhile
     spec = ProbeSpec(model={}, params=TrialParams(per_device_train_batch_size=4, sharding=sharding), seq_len=32, device="cpu",
                      warmup_steps=1, measure_steps=3, nproc=nproc, trainer=f"{RANK_OOM}:make_killed_trainer")
     result = isolation.run_isolated(spec, timeout_s=600)
     assert killed(result), result.error  # says nothing yet of the configuration: probed once more
     assert result.error.startswith("probe process killed by SIGKILL (the kernel's OOM killer?)"), result.error
     assert _probe_processes() == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc, sharding", [(1, "none"), (2, "none")])
+def test_a_probe_the_kernels_oom_killer_ended_is_out_of_host_memory(nproc, sharding, monkeypatch) -> None:
+    # Where the machine's count of OOM kills went up while the probe ran, its SIGKILL was the kernel's OOM killer: the
+    # configuration does not fit this host (not probed again), whether one process or a rank of several died.
+    counts = iter([7, 8])
+    monkeypatch.setattr(isolation, "host_oom_kills", lambda: next(counts))
+    spec = ProbeSpec(model={}, params=TrialParams(per_device_train_batch_size=4, sharding=sharding), seq_len=32, device="cpu",
+                     warmup_steps=1, measure_steps=3, nproc=nproc, trainer=f"{RANK_OOM}:make_killed_trainer")
+    result = isolation.run_isolated(spec, timeout_s=600)
+    assert result.status is ProbeStatus.OOM and not killed(result), result.error
+    assert result.error.startswith("host memory: the kernel's OOM killer ended the probe (oom_kill in /proc/vmstat 7 -> 8)")
+    assert _probe_processes() == []
+
 
 
 def test_gpus_split_into_workers_of_as_many_consecutive_gpus_as_a_probe_spans() -> None:

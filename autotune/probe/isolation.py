@@ -454,6 +454,28 @@ def _rank_signal(log_path: Path) -> int | None:
     return signal.SIGKILL.value if signal.SIGKILL.value in signals else min(signals)
 
 
+def host_oom_kills() -> int | None:
+    """How many processes the kernel's OOM killer has ended since boot (``oom_kill`` in ``/proc/vmstat``, Linux 4.13+);
+    None where it is not kept. A probe killed by SIGKILL while it grew tells a host out-of-memory from a kill from outside."""
+    try:
+        with open("/proc/vmstat", encoding="ascii") as vmstat:
+            for line in vmstat:
+                name, _, count = line.partition(" ")
+                if name == "oom_kill":
+                    return int(count)
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def _host_oom(signal_number: int | None, kills_before: int | None) -> str | None:
+    """The error of a probe the kernel's OOM killer ended (SIGKILL while the machine's OOM kills went up), or None."""
+    if signal_number != signal.SIGKILL or kills_before is None or (kills_after := host_oom_kills()) is None or kills_after <= kills_before:
+        return None
+    return (f"host memory: the kernel's OOM killer ended the probe (oom_kill in /proc/vmstat {kills_before} -> {kills_after}): "
+            "its processes outgrew this machine's memory")
+
+
 def _killed_reason(signal_number: int) -> tuple[str, bool]:
     """What a probe process killed by ``signal_number`` says, and whether it was killed from outside (then it is probed once
     more: :func:`autotune.studies.reading.killed`)."""
@@ -649,7 +671,8 @@ def run_isolated(
 
     Returns:
         The child's :class:`ProbeResult` with ``wall_s`` and ``overhead_s`` set; ``timeout`` if the
-        deadline passed, ``crash`` with the output tail if the child died without writing a result.
+        deadline passed, ``oom`` if the kernel's OOM killer ended it (:func:`host_oom_kills`), ``crash`` with the
+        output tail if the child died without writing a result otherwise.
 
     Raises:
         KeyboardInterrupt: after killing the child, so the caller can stop cleanly.
@@ -675,6 +698,7 @@ def run_isolated(
             abandon_server(problem)
             mode = "cold"
         start_s = time.monotonic()
+        oom_kills_before = host_oom_kills()
         try:
             child: _Child
             if as_ranks:  # torchrun, starting that many ranks of the probe (autotune.probe.ranks)
@@ -706,6 +730,8 @@ def run_isolated(
         if spec.nproc > 1 and (reported := ranks.read_results(result_path, spec.nproc)):
             result = ranks.combine(reported, spec.nproc).replace(wall_s=wall_s)
             if killed_by is not None and result.status is ProbeStatus.CRASH:  # the others' crashes followed from it (a peer gone)
+                if (host_oom := _host_oom(killed_by, oom_kills_before)) is not None:
+                    return result.replace(status=ProbeStatus.OOM, error=f"{host_oom}\n{result.error}", overhead_s=None)
                 reason, lost = _killed_reason(killed_by)
                 result = result.replace(error=f"{reason}: {result.error}", process_lost=lost)
             if not any(r is not None and r.status is not ProbeStatus.OK for r in reported) and result.status is not ProbeStatus.OK:
@@ -721,6 +747,8 @@ def run_isolated(
         lost = False
         if killed_by is not None:
             returncode = -killed_by
+        if (host_oom := _host_oom(-returncode, oom_kills_before)) is not None:
+            return ProbeResult(status=ProbeStatus.OOM, error=f"{host_oom}\n{_tail(log_path)}".strip(), wall_s=wall_s)
         if returncode == UNREPORTED_EXIT_CODE and isinstance(child, _ForkedChild) and server_problem() is not None:
             reason, lost = LOST_WITH_SERVER, True
         elif returncode < 0:
