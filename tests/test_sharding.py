@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -84,6 +85,12 @@ def test_zero_offload_keeps_two_plus_two_bytes_per_parameter_on_the_gpu_and_the_
     # In fp32 the master is still a copy (DeepSpeed clones the partition): 4 + 4 + 8 on the host, + 4 with the parameters.
     assert host_state_bytes(dims, TrialParams(precision="fp32", sharding="zero2_offload")) == 16 * p
     assert host_state_bytes(dims, TrialParams(precision="fp32", sharding="zero3_offload")) == 20 * p
+    # A module stored in bf16 (a user's model loaded so): DeepSpeed's master, optimizer state and host gradients are fp32
+    # all the same, and its device gradients 16-bit.
+    stored_bf16 = dataclasses.replace(dims, parameter_bytes=2 * p, trainable_bytes=2 * p, fp32_parameters=0)
+    assert host_state_bytes(stored_bf16, TrialParams(precision="bf16", sharding="zero2_offload")) == 16 * p
+    bf16_module = static_memory(stored_bf16, "bf16", "adamw_torch_fused", "zero2_offload", world=1)
+    assert bf16_module.weights_bytes == 2 * p and bf16_module.gradients_bytes == 2 * p
     # Stage 3 over 4 ranks: each holds a quarter of all 16 bytes; nothing on the host.
     quarter = static_memory(dims, "bf16", "adamw_torch_fused", "zero3", world=4)
     assert quarter.total_bytes - CUDA_CONTEXT_BYTES == pytest.approx(16 * p / 4, rel=1e-6)

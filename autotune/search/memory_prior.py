@@ -185,13 +185,14 @@ def _state_bytes(dims: ModelDims, precision: str, optim: str, sharding: str) -> 
     gradients = 4 * trainable if dims.trainable_bytes is None else dims.trainable_bytes
     optimizer = optimizer_state_bytes(optim, trainable, dims.hidden_size, dims.trainable_bytes)
     if sharding != NO_SHARDING:
-        # DeepSpeed's ZeRO steps an fp32 master copy of the trainable weights with the optimizer state (a clone also when
-        # the module is fp32: stage_1_and_2's single_partition_of_fp32_groups); under mixed precision it holds the module
-        # and its gradients in 16 bits: 2 + 2 + K bytes per parameter (Rajbhandari et al. 2020, "ZeRO", sec. 3.1).
-        optimizer += 4 * trainable
+        # DeepSpeed's ZeRO steps an fp32 master copy of the trainable weights with fp32 optimizer state, whatever the module
+        # stores (a clone also when the module is fp32: stage_1_and_2's single_partition_of_fp32_groups); under mixed
+        # precision it holds the module and its gradients in 16 bits: 2 + 2 + K bytes per parameter (Rajbhandari et al.
+        # 2020, "ZeRO", sec. 3.1).
+        optimizer = optimizer_state_bytes(optim, trainable, dims.hidden_size) + 4 * trainable
         if amp:
             weights -= 4 * fp32
-            gradients //= 2
+            gradients = 2 * trainable
     return weights, gradients, optimizer
 
 
@@ -205,7 +206,7 @@ def host_state_bytes(dims: ModelDims, params: TrialParams) -> int:
         return 0
     weights, _, optimizer = _state_bytes(dims, params.precision, params.optim, params.sharding)
     keep_weights, keep_optimizer = host_shares(params.sharding)
-    fp32_gradients = 4 * dims.trainable if dims.trainable_bytes is None else dims.trainable_bytes
+    fp32_gradients = 4 * dims.trainable  # what the CPU Adam steps on, fp32 whatever the module stores
     return int(weights * keep_weights + (optimizer + fp32_gradients) * keep_optimizer)
 
 
