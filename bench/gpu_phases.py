@@ -743,7 +743,7 @@ def phase_side_by_side(ctx: Context) -> PhaseOutput:
     sixteen = _precision_for(ctx.device)
     rows["bf16_user"] = table.measured_row(defaults.replace(precision=sixteen, per_device_train_batch_size=plan.bf16_user_batch))
 
-    # The largest batch at default settings: Lightning's binsearch, each step a full probe of the run's protocol.
+    # The largest batch at default settings: Lightning's binsearch, each trial a few untimed steps, then one probe of the run's protocol at its answer.
     largest, finder_s, finder_probes, stopped = _largest_batch(ctx, table, defaults, ceiling)
     if stopped is not None:
         bound = f"; batch {largest} fits, so the answer is at least that" if largest else ""
