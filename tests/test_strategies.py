@@ -444,6 +444,32 @@ def test_bayes_learns_main_process_loading_from_throughput_where_probes_report_n
     assert at_64 > 60.0
 
 
+def test_bayes_learns_the_loaders_cap_from_throughput_where_probes_report_no_input_wait() -> None:
+    # A replay table has no input wait: bf16 computes 100 samples/s, fp32 40, one loader worker
+    # loads 15 (0 workers: serial with compute). With 2 workers both precisions measure 30, the
+    # loader's rate: more workers are expected to lift bf16 well past it, not to leave it where it was.
+    def probe(number: int, precision: str, workers: int) -> Probe:
+        compute = 1 / (100.0 if precision == "bf16" else 40.0)
+        per_sample = max(compute, 1 / (15.0 * workers)) if workers else compute + 1 / 15.0
+        params = TrialParams(precision=precision, per_device_train_batch_size=16, dataloader_num_workers=workers)
+        return Probe(number, params, ProbeResult(status="ok", samples_per_s=1 / per_sample, peak_mem_bytes=GiB, wall_s=40.0,
+                                                 step_time_s=16 * per_sample))
+    history = [probe(0, "fp32", 0), probe(1, "bf16", 0), probe(2, "bf16", 2), probe(3, "fp32", 2)]
+    memory = MemoryModel()
+    memory.observe_all((p.params, p.result) for p in history)
+    state = SearchState(parse_space(_LOADER_SPACE), 40 * GiB, memory, history, {p.params.key() for p in history}, remaining_s=3600.0)
+    context = BayesStrategy().context(state)
+    mean, _, _ = throughput.posterior(context, history)
+    flat = np.broadcast_to(mean, context.grid.shape).reshape(-1)
+
+    def predicted(precision: str, workers: int) -> float:
+        return float(np.exp(flat[context.grid.flat_index(TrialParams(precision=precision, per_device_train_batch_size=16, dataloader_num_workers=workers))]))
+
+    assert predicted("bf16", 2) == pytest.approx(30.0, rel=0.1)
+    assert predicted("bf16", 8) > 2 * predicted("bf16", 2)
+    assert predicted("bf16", 8) > 1.5 * predicted("fp32", 8)  # past the loader, compute sets the pace again
+
+
 def test_bayes_trusts_a_memory_prediction_more_where_the_groups_activation_factors_were_measured() -> None:
     # bf16 sdpa measured with AdamW (peak 2 GiB + 0.5 GiB/sample): Adafactor's group, never measured,
     # shares its activation factors, so its prediction 6 % under the ceiling is likely to fit; eager

@@ -18,6 +18,12 @@ which (a measurement at one batch says how much it gains at another); a faster k
 larger batch; accumulation amortises the optimizer step exactly. The saturation point (overhead over
 per-sample time) is learnt, not fixed by a basis.
 
+A model may add parts to the step's time (loading in the training process, serial with compute) and
+a *cap*: a rate the throughput cannot pass (the loader's with its workers, in parallel with compute),
+joined to the step-time prediction by a soft minimum. The posterior is then bimodal where the data
+allow both readings (the precisions tie because the loader sets the pace, or because they compute
+alike), so the mode is also sought from the lowest cap the measurements allow.
+
 Inference is Laplace's: the posterior mode by damped Gauss-Newton under Gaussian priors (the expert
 ordering enters only as prior means), the covariance from the Hessian there. A prediction over the
 whole grid linearises around the mode: its mean is exact, its variance ``J S J'`` with ``J`` the sum
@@ -35,16 +41,20 @@ error against its prediction when proposed): unscaled, z = error / sqrt(sd^2 + n
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from autotune.params import TrialParams
 from autotune.search.strategies.surrogate import Block, Grid, TermSum, _merged
 
-TERMS = ("overhead", "per_sample", "step")  # the parts of a step's time, in the log-sum-exp
+TERMS = ("overhead", "per_sample", "step")  # the parts of a step's time, in the log-sum-exp (a model may add more)
 LINEAR = "residual"  # added to log samples/s directly
+CAP = "cap"  # a rate the step's throughput cannot pass (the loader's, with its workers), joined by a soft minimum
+CAP_SHARPNESS = 10.0  # the soft minimum's: log(2) / 10 under the lower of the two where they meet
 SCALE = "scale"  # the feature every term shares: the log seconds of one sample's work at the base values
 _GN_ITERATIONS = 30
 _GN_TOLERANCE = 1e-7
@@ -69,13 +79,16 @@ class StepTimeSurrogate:
     + log b``, 0), and ``base`` is ``log(A b)``.
     """
 
-    def __init__(self, grid: Grid, components: dict[str, list[Block]], offsets: dict[str, np.ndarray], base: np.ndarray) -> None:
+    def __init__(self, grid: Grid, components: dict[str, list[Block]], offsets: dict[str, np.ndarray], base: np.ndarray,
+                 cap_offset: np.ndarray | None = None) -> None:
         self.grid = grid
         names: list[str] = []
         means: dict[str, float] = {}
         sds: dict[str, float] = {}
         self.components: dict[str, list[_Placed]] = {}
-        for component in (*TERMS, LINEAR):
+        self.terms = tuple(offsets)  # TERMS, and any other part of the step's time the model adds
+        self.linear = (LINEAR, CAP) if cap_offset is not None else (LINEAR,)  # the components outside the step's time
+        for component in (*self.terms, *self.linear):
             placed = []
             for block in _merged(grid, components.get(component, [])):
                 for name, mean, sd in zip(block.names, block.prior_mean, block.prior_sd):
@@ -88,8 +101,9 @@ class StepTimeSurrogate:
         self.n_features = len(names)
         self.prior_mean = np.array([means[n] for n in names])
         self.prior_sd = np.array([sds[n] for n in names])
-        self.offsets = {t: np.asarray(offsets[t], dtype=float) for t in TERMS}
+        self.offsets = {t: np.asarray(offsets[t], dtype=float) for t in self.terms}
         self.base = np.asarray(base, dtype=float)
+        self.cap_offset = None if cap_offset is None else np.asarray(cap_offset, dtype=float)
         self.mean = self.prior_mean.copy()
         self.cov = np.diag(self.prior_sd**2)
         self._mode: np.ndarray | None = None  # the last mode found: the next fit starts there
@@ -106,7 +120,7 @@ class StepTimeSurrogate:
         self.prior_mean[scale] = 0.0
         if len(targets):
             rows, offsets, base = self._rows(params)
-            value, _ = self._evaluate(self.prior_mean, rows, offsets, base)
+            value, _ = self._evaluate(self.prior_mean, rows, offsets, base, capped=False)
             self.prior_mean[scale] = float(np.median(value - np.asarray(targets, dtype=float)))
 
     # ------------------------------------------------------------------ one configuration at a time
@@ -123,18 +137,26 @@ class StepTimeSurrogate:
         def pick(array: np.ndarray) -> np.ndarray:
             return np.array([Grid.at(array, code) for code in codes], dtype=float)
 
-        return rows, {t: pick(self.offsets[t]) for t in TERMS}, pick(self.base)
+        picked = {t: pick(self.offsets[t]) for t in self.terms}
+        if self.cap_offset is not None:
+            picked[CAP] = pick(self.cap_offset)
+        return rows, picked, pick(self.base)
 
-    @staticmethod
-    def _evaluate(theta: np.ndarray, rows: dict[str, np.ndarray], offsets: dict[str, np.ndarray], base: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Predictions and their Jacobian at ``theta``."""
-        logs = np.stack([rows[t] @ theta + offsets[t] for t in TERMS])
+    def _evaluate(self, theta: np.ndarray, rows: dict[str, np.ndarray], offsets: dict[str, np.ndarray], base: np.ndarray,
+                  capped: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """Predictions and their Jacobian at ``theta`` (``capped``: past the cap's soft minimum, where the model has one)."""
+        logs = np.stack([rows[t] @ theta + offsets[t] for t in self.terms])
         top = logs.max(axis=0)
         weights = np.exp(logs - top)
         total = weights.sum(axis=0)
         shares = weights / total
         value = base - (top + np.log(total)) + rows[LINEAR] @ theta
-        jacobian = rows[LINEAR] - sum(shares[k][:, None] * rows[t] for k, t in enumerate(TERMS))
+        jacobian = rows[LINEAR] - sum(shares[k][:, None] * rows[t] for k, t in enumerate(self.terms))
+        if capped and CAP in offsets:
+            cap = rows[CAP] @ theta + offsets[CAP]
+            below = _below(value, cap)
+            value = _soft_min(value, cap)
+            jacobian = below[:, None] * jacobian + (1.0 - below)[:, None] * rows[CAP]
         return value, jacobian
 
     def fit_params(self, params: Sequence[TrialParams], targets: np.ndarray, noise_var: np.ndarray) -> None:
@@ -153,31 +175,30 @@ class StepTimeSurrogate:
             residual = targets - value
             return 0.5 * float(weights @ residual**2 + precision_prior @ (t - self.prior_mean) ** 2), residual, jacobian
 
-        loss, residual, jacobian = objective(theta)
-        for _ in range(_GN_ITERATIONS):
-            hessian = (jacobian * weights[:, None]).T @ jacobian + np.diag(precision_prior)
-            gradient = jacobian.T @ (weights * residual) - precision_prior * (theta - self.prior_mean)
-            step = np.linalg.solve(hessian, gradient)
-            scale, improved = 1.0, False
-            while scale > 1e-4:
-                candidate = theta + scale * step
-                new_loss, new_residual, new_jacobian = objective(candidate)
-                if new_loss <= loss:
-                    improved = True
-                    break
-                scale *= 0.5
-            if not improved:
-                break
-            done = loss - new_loss < _GN_TOLERANCE * max(1.0, loss)
-            theta, loss, residual, jacobian = candidate, new_loss, new_residual, new_jacobian
-            if done:
-                break
+        theta, loss, jacobian = _gauss_newton(objective, theta, weights, precision_prior, self.prior_mean)
+        cap = self._binding_cap(rows, offsets, targets)
+        if cap is not None and np.all(_below(targets, rows[CAP] @ theta + offsets[CAP]) > 0.9):
+            # The cap binds nowhere: a mode where the loader sets the pace is far, past a flat
+            # stretch, so it is searched from the lowest cap the measurements allow as well.
+            start = theta.copy()
+            start[cap[0]] = cap[1]
+            other = _gauss_newton(objective, start, weights, precision_prior, self.prior_mean)
+            if other[1] < loss:
+                theta, loss, jacobian = other
         hessian = (jacobian * weights[:, None]).T @ jacobian + np.diag(precision_prior)
         chol = np.linalg.cholesky(hessian)
         inverse = np.linalg.inv(chol)
         self.cov = inverse.T @ inverse
         self.mean = theta
         self._mode = theta.copy()
+
+    def _binding_cap(self, rows: dict[str, np.ndarray], offsets: dict[str, np.ndarray], targets: np.ndarray) -> tuple[int, float] | None:
+        """The cap's feature and its value where the cap meets the highest measurement it covers (``None``: no cap, or none covered)."""
+        if self.cap_offset is None or len(self.components[CAP]) != 1 or len(self.components[CAP][0].index) != 1:
+            return None
+        feature = int(self.components[CAP][0].index[0])
+        covered = rows[CAP][:, feature] > 0
+        return (feature, float(np.max(targets[covered] - offsets[CAP][covered]))) if covered.any() else None
 
     def predict_params(self, params: Sequence[TrialParams]) -> tuple[np.ndarray, np.ndarray]:
         rows, offsets, base = self._rows(params)
@@ -193,14 +214,21 @@ class StepTimeSurrogate:
     def predict_grid(self) -> tuple[np.ndarray, np.ndarray]:
         """Posterior mean and standard deviation of log samples/s at every grid point (grid-shaped)."""
         theta32 = self.mean.astype(np.float32)
-        logs = [self._sum(self.components[t], theta32) + self.offsets[t].astype(np.float32) for t in TERMS]
-        top = np.maximum(np.maximum(logs[0], logs[1]), logs[2])
+        logs = [self._sum(self.components[t], theta32) + self.offsets[t].astype(np.float32) for t in self.terms]
+        top = functools.reduce(np.maximum, logs)
         exps = [np.exp(log - top) for log in logs]
-        total = exps[0] + exps[1] + exps[2]
+        total = functools.reduce(np.add, exps)
         shares = [e / total for e in exps]
         mean = self.base.astype(np.float32) - (top + np.log(total)) + self._sum(self.components[LINEAR], theta32)
-        # J = F_linear - sum_k share_k F_k; Var = sum over pairs of components of c_k c_l (F_k S F_l').
-        coefficient = {LINEAR: None, **{t: shares[k] for k, t in enumerate(TERMS)}}
+        # J = F_linear - sum_k share_k F_k, and past a cap below x J + (1 - below) F_cap;
+        # Var = sum over pairs of components of c_k c_l (F_k S F_l').
+        coefficient: dict[str, np.ndarray | None] = {LINEAR: None, **{t: -shares[k] for k, t in enumerate(self.terms)}}
+        if self.cap_offset is not None:
+            cap = self._sum(self.components[CAP], theta32) + self.cap_offset.astype(np.float32)
+            below = _below(mean, cap).astype(np.float32)
+            mean = _soft_min(mean, cap).astype(np.float32)
+            coefficient = {name: below if c is None else below * c for name, c in coefficient.items()}
+            coefficient[CAP] = 1.0 - below
         cov32 = self.cov.astype(np.float32)
         names = list(coefficient)
         var = np.zeros(self.grid.shape, dtype=np.float32)
@@ -215,6 +243,41 @@ class StepTimeSurrogate:
                 part = self._collapse(terms) * (1.0 if a == b else 2.0)
                 for c in (coefficient[a], coefficient[b]):
                     if c is not None:
-                        part = part * -c
+                        part = part * c
                 var += part
         return mean, np.float32(SD_CALIBRATION) * np.sqrt(np.maximum(var, 0.0))
+
+
+def _gauss_newton(objective: Any, theta: np.ndarray, weights: np.ndarray, precision_prior: np.ndarray,
+                  prior_mean: np.ndarray) -> tuple[np.ndarray, float, np.ndarray]:
+    """Damped Gauss-Newton from ``theta`` on ``objective`` (loss, residuals, Jacobian): the mode, its loss and Jacobian."""
+    loss, residual, jacobian = objective(theta)
+    for _ in range(_GN_ITERATIONS):
+        hessian = (jacobian * weights[:, None]).T @ jacobian + np.diag(precision_prior)
+        gradient = jacobian.T @ (weights * residual) - precision_prior * (theta - prior_mean)
+        step = np.linalg.solve(hessian, gradient)
+        scale, improved = 1.0, False
+        while scale > 1e-4:
+            candidate = theta + scale * step
+            new_loss, new_residual, new_jacobian = objective(candidate)
+            if new_loss <= loss:
+                improved = True
+                break
+            scale *= 0.5
+        if not improved:
+            break
+        done = loss - new_loss < _GN_TOLERANCE * max(1.0, loss)
+        theta, loss, residual, jacobian = candidate, new_loss, new_residual, new_jacobian
+        if done:
+            break
+    return theta, loss, jacobian
+
+
+def _soft_min(value: np.ndarray, cap: np.ndarray) -> np.ndarray:
+    """The lower of ``value`` and ``cap`` (logs), smoothly (:data:`CAP_SHARPNESS`)."""
+    return -np.logaddexp(-CAP_SHARPNESS * value, -CAP_SHARPNESS * cap) / CAP_SHARPNESS
+
+
+def _below(value: np.ndarray, cap: np.ndarray) -> np.ndarray:
+    """How much of the soft minimum follows ``value``: 1 well below the cap, 0 well above it."""
+    return 0.5 * (1.0 + np.tanh(0.5 * CAP_SHARPNESS * (cap - value)))

@@ -4,7 +4,10 @@ improvement over the incumbent.
 A probe's ``input_wait_fraction`` splits its throughput into compute and waiting. The model learns
 the compute part; the loader's rate (per worker, and in the training process with 0 workers) is
 estimated from the probes that waited and caps or slows the prediction per worker count, so an
-input-bound incumbent makes more workers the best bet.
+input-bound incumbent makes more workers the best bet. Where a probe reports no wait (a replay
+table, an evaluator of one's own), the step-time model learns the loader with the rest: serial
+loading with 0 workers as a part of the step's time, and the workers' rate as a cap
+(:mod:`.features`).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from autotune.params import TrialParams
 from autotune.records import Probe
 from autotune.search.ranking import Configuration
 from autotune.search.strategies.bayes.context import Context
-from autotune.search.strategies.bayes.features import MAIN_PROCESS_LOADING_SD, RESIDUAL_SD, WORKERS
+from autotune.search.strategies.bayes.features import CAP_OFF, CAP_PRIOR, LOADING_OFF, LOADING_PRIOR, WORKER_SCALING, WORKERS
 from autotune.search.strategies.surrogate import expected_improvement
 
 MODEL_NOISE = 0.03  # log-scale misfit of the model on top of a probe's own noise
@@ -28,7 +31,6 @@ PENDING_NOISE = 0.02  # a pending probe's believed outcome is weighed like a pro
 MIN_SD = 0.01  # no point is certain: EI stays positive near the incumbent
 MIN_GAIN = 0.015  # log scale: what a probe must be expected to beat the incumbent by to count
 NOTHING_YET_SPEED_WEIGHT = 0.3  # before anything fits: how much speed counts next to the chance to run
-WORKER_SCALING = 0.9  # loader throughput ~ workers^0.9
 CAP_MARGIN = 0.1  # a loader's rate read off a waiting probe is a lower bound (the optimizer step hides in it), log scale
 
 
@@ -47,10 +49,15 @@ def posterior(context: Context, ran: list[Probe], pending: Iterable[TrialParams]
         targets.append(math.log(probe.result.samples_per_s or 1.0) - math.log1p(-wait))  # the compute part
         probe_noise = max(probe.result.step_time_ci95_rel or 0.02, PROBE_NOISE_FLOOR)
         noise.append(probe_noise**2 + MODEL_NOISE**2 + (wait / (1 - wait) * 0.05) ** 2)
+    # Where a probe did not measure its input wait, the loader's part is learnt from throughput.
+    unmeasured = any(probe.result.input_wait_fraction is None for probe in ran)
+    if context.loading is not None:
+        surrogate.prior_mean[context.loading], surrogate.prior_sd[context.loading] = LOADING_PRIOR if unmeasured else LOADING_OFF
+    if context.cap is not None:
+        surrogate.prior_mean[context.cap], surrogate.prior_sd[context.cap] = CAP_OFF
     surrogate.set_scale(measured, targets)
-    if context.main_process_loading is not None:
-        unmeasured = any(probe.result.input_wait_fraction is None for probe in ran)
-        surrogate.prior_sd[context.main_process_loading] = MAIN_PROCESS_LOADING_SD if unmeasured else RESIDUAL_SD[WORKERS]
+    if context.cap is not None and unmeasured:
+        surrogate.prior_mean[context.cap], surrogate.prior_sd[context.cap] = float(np.median(targets)) + CAP_PRIOR[0], CAP_PRIOR[1]
     surrogate.fit_params(measured, np.array(targets), np.array(noise))
     pending = list(pending)
     if pending:
