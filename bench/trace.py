@@ -105,9 +105,9 @@ def calibration(draws: list[int], budget_s: float, out: Any = None) -> dict[str,
             posterior = throughput.posterior
 
             def recorded(context: Any, ran: Any, pending: Any = ()) -> Any:
-                mean, sd, cap = posterior(context, ran, pending)
+                mean, sd = posterior(context, ran, pending)
                 self.model = (context.grid, mean, sd)
-                return mean, sd, cap
+                return mean, sd
 
             throughput.posterior = recorded
             try:

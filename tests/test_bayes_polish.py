@@ -65,7 +65,7 @@ def test_the_polishing_reserve_is_at_most_a_share_of_the_budget(monkeypatch) -> 
         state = _state(history, budget, checkpointing=False)
         strategy.propose(state)
         context = strategy.context(state)
-        mean, sd, cap = throughput.posterior(context, list(history))
+        mean, sd = throughput.posterior(context, list(history))
         p_ok = np.ones(context.grid.shape)
         cost_ok, _ = probe_costs(context, list(history), mean)
         allowed = np.ones(context.grid.shape, dtype=bool)
@@ -79,7 +79,7 @@ def test_the_polishing_reserve_is_at_most_a_share_of_the_budget(monkeypatch) -> 
             return pick
 
         monkeypatch.setattr(polish, "models_pick", recording)
-        reserve, keep, order = polish.polish_reserve(context, state, state.feasible(), (mean, sd, cap), p_ok, cost_ok, allowed, evidence, budget)
+        reserve, keep, order = polish.polish_reserve(context, state, state.feasible(), (mean, sd), p_ok, cost_ok, allowed, evidence, budget)
         assert reserve <= POLISH_SHARE * budget + 1e-6
         assert len(order) == int(keep.sum()) <= POLISH_PROBES
         for index in order:  # a variant of a measured configuration in compile mode or accumulation only, or the model's pick
@@ -195,7 +195,7 @@ def _compile_cost(history: list[Probe], space: dict | None = None, **values) -> 
     if space is not None:
         state = SearchState(parse_space(space), state.ceiling_bytes, state.memory, history, state.seen, 3600.0)
     context = strategy.context(state)
-    mean, _, _ = throughput.posterior(context, [p for p in history if p.result.ok])
+    mean, _ = throughput.posterior(context, [p for p in history if p.result.ok])
     cost_ok, _ = probe_costs(context, history, mean)
     return float(cost_ok.reshape(-1)[context.grid.flat_index(state.space.complete(dict(torch_compile="inductor", precision="bf16", **values)))])
 
@@ -241,11 +241,11 @@ def test_the_time_kept_for_near_ties_is_left_by_exploring_probes_not_by_polishin
         strategy = BayesStrategy()
         proposal = strategy.propose(state)
         context = strategy.context(state)
-        mean, sd, cap = throughput.posterior(context, list(history))
+        mean, sd = throughput.posterior(context, list(history))
         cost_ok, _ = probe_costs(context, list(history), mean)
         allowed = np.ones(context.grid.shape, dtype=bool)
         evidence = MemoryEvidence.of(context.groups, context.grid, history, state.ceiling_bytes)
-        _, keep, _ = polish.polish_reserve(context, state, state.feasible(), (mean, sd, cap), np.ones(context.grid.shape), cost_ok, allowed, evidence, 3600.0)
+        _, keep, _ = polish.polish_reserve(context, state, state.feasible(), (mean, sd), np.ones(context.grid.shape), cost_ok, allowed, evidence, 3600.0)
         index = context.grid.flat_index(proposal) if proposal is not None else None
         return proposal, index is not None and bool(np.broadcast_to(keep, context.grid.shape).reshape(-1)[index])
 

@@ -396,7 +396,7 @@ def _loader_bound_model(workers: tuple[int, ...]) -> tuple[BayesStrategy, Search
     state = SearchState(parse_space(_LOADER_SPACE), 40 * GiB, memory, history, {p.params.key() for p in history}, remaining_s=3600.0)
     strategy = BayesStrategy()
     context = strategy.context(state)
-    mean, _, _ = throughput.posterior(context, history)
+    mean, _ = throughput.posterior(context, history)
     flat = np.broadcast_to(mean, context.grid.shape).reshape(-1)
 
     def predicted(count: int) -> float:
@@ -438,7 +438,7 @@ def test_bayes_learns_main_process_loading_from_throughput_where_probes_report_n
     state = SearchState(space, 40 * GiB, memory, history, {p.params.key() for p in history}, remaining_s=3600.0)
     strategy = BayesStrategy()
     context = strategy.context(state)
-    mean, _, _ = throughput.posterior(context, history)
+    mean, _ = throughput.posterior(context, history)
     flat = np.broadcast_to(mean, context.grid.shape).reshape(-1)
     at_64 = float(np.exp(flat[context.grid.flat_index(TrialParams(precision="bf16", per_device_train_batch_size=64, dataloader_num_workers=2))]))
     assert at_64 > 60.0
@@ -459,7 +459,7 @@ def test_bayes_learns_the_loaders_cap_from_throughput_where_probes_report_no_inp
     memory.observe_all((p.params, p.result) for p in history)
     state = SearchState(parse_space(_LOADER_SPACE), 40 * GiB, memory, history, {p.params.key() for p in history}, remaining_s=3600.0)
     context = BayesStrategy().context(state)
-    mean, _, _ = throughput.posterior(context, history)
+    mean, _ = throughput.posterior(context, history)
     flat = np.broadcast_to(mean, context.grid.shape).reshape(-1)
 
     def predicted(precision: str, workers: int) -> float:

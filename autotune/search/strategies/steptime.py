@@ -55,6 +55,7 @@ TERMS = ("overhead", "per_sample", "step")  # the parts of a step's time, in the
 LINEAR = "residual"  # added to log samples/s directly
 CAP = "cap"  # a rate the step's throughput cannot pass (the loader's, with its workers), joined by a soft minimum
 CAP_SHARPNESS = 10.0  # the soft minimum's: log(2) / 10 under the lower of the two where they meet
+OFF = 60.0  # a log offset that takes a part out: a term at -OFF, a cap at +OFF
 SCALE = "scale"  # the feature every term shares: the log seconds of one sample's work at the base values
 _GN_ITERATIONS = 30
 _GN_TOLERANCE = 1e-7
@@ -125,8 +126,9 @@ class StepTimeSurrogate:
 
     # ------------------------------------------------------------------ one configuration at a time
 
-    def _rows(self, params: Sequence[TrialParams]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], np.ndarray]:
-        """Per component, the feature rows (configurations x parameters); per term, its offsets; the base."""
+    def _rows(self, params: Sequence[TrialParams], compute: Sequence[bool] = ()) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], np.ndarray]:
+        """Per component, the feature rows (configurations x parameters); per term, its offsets; the base.
+        Rows flagged in ``compute`` are the compute part alone: without the cap and the terms beyond :data:`TERMS`."""
         codes = [self.grid.codes(p) for p in params]
         rows = {c: np.zeros((len(params), self.n_features)) for c in self.components}
         for component, placed in self.components.items():
@@ -140,6 +142,11 @@ class StepTimeSurrogate:
         picked = {t: pick(self.offsets[t]) for t in self.terms}
         if self.cap_offset is not None:
             picked[CAP] = pick(self.cap_offset)
+        alone = np.zeros(len(params), dtype=bool)
+        alone[:len(compute)] = compute
+        for name, offset in picked.items():
+            if name not in TERMS:
+                offset[alone] = OFF if name == CAP else -OFF
         return rows, picked, pick(self.base)
 
     def _evaluate(self, theta: np.ndarray, rows: dict[str, np.ndarray], offsets: dict[str, np.ndarray], base: np.ndarray,
@@ -159,14 +166,15 @@ class StepTimeSurrogate:
             jacobian = below[:, None] * jacobian + (1.0 - below)[:, None] * rows[CAP]
         return value, jacobian
 
-    def fit_params(self, params: Sequence[TrialParams], targets: np.ndarray, noise_var: np.ndarray) -> None:
-        """The posterior mode and its Laplace covariance given measured log samples/s."""
+    def fit_params(self, params: Sequence[TrialParams], targets: np.ndarray, noise_var: np.ndarray, compute: Sequence[bool] = ()) -> None:
+        """The posterior mode and its Laplace covariance given measured log samples/s (where ``compute``
+        flags a row: of the compute part alone, see :meth:`_rows`)."""
         precision_prior = 1.0 / self.prior_sd**2
         theta = self.prior_mean.copy() if self._mode is None or len(self._mode) != self.n_features else self._mode.copy()
         if len(targets) == 0:
             self.mean, self.cov = self.prior_mean.copy(), np.diag(self.prior_sd**2)
             return
-        rows, offsets, base = self._rows(params)
+        rows, offsets, base = self._rows(params, compute)
         weights = 1.0 / np.asarray(noise_var, dtype=float)
         targets = np.asarray(targets, dtype=float)
 
@@ -197,7 +205,7 @@ class StepTimeSurrogate:
         if self.cap_offset is None or len(self.components[CAP]) != 1 or len(self.components[CAP][0].index) != 1:
             return None
         feature = int(self.components[CAP][0].index[0])
-        covered = rows[CAP][:, feature] > 0
+        covered = (rows[CAP][:, feature] > 0) & (offsets[CAP] < OFF)
         return (feature, float(np.max(targets[covered] - offsets[CAP][covered]))) if covered.any() else None
 
     def predict_params(self, params: Sequence[TrialParams]) -> tuple[np.ndarray, np.ndarray]:

@@ -14,7 +14,7 @@ from autotune.params import TrialParams
 from autotune.records import Probe
 from autotune.search.memory_prior import optimizer_state_bytes
 from autotune.search.strategies.base import SearchState
-from autotune.search.strategies.bayes.features import LOADING, step_time_surrogate
+from autotune.search.strategies.bayes.features import step_time_surrogate
 from autotune.search.strategies.bayes.groups import Groups
 from autotune.search.strategies.steptime import CAP, StepTimeSurrogate
 from autotune.search.strategies.surrogate import ACCUM, BATCH, Grid
@@ -39,7 +39,6 @@ class Context:
     p_ok: dict[str, tuple[tuple[Any, ...], np.ndarray]] = field(default_factory=dict)  # per kind of failure, its last prediction by its key
     flat_of_key: dict[tuple[Any, ...], int | None] = field(default_factory=dict)
     group_params: dict[int, TrialParams] = field(default_factory=dict)  # per group, a configuration of it
-    loading: int | None = None  # the surrogate's feature of loading in the training process (0 workers), if the space has it
     cap: int | None = None  # the surrogate's feature of one loader worker's rate, if the space has workers
     user_space: np.ndarray | bool = True  # grid-broadcastable: no value only the baseline's (SearchSpace.reference_values)
 
@@ -59,8 +58,6 @@ class Context:
         other_axes = tuple(i for i, n in enumerate(grid.names) if n not in groups.dims)
         compile_values = np.array(grid.values["torch_compile"], dtype=object).reshape(grid.broadcast_shape(("torch_compile",)))
         context = cls(grid, surrogate, groups, batch_values, accum_grid, compile_values, other_axes)
-        if LOADING in surrogate.names:
-            context.loading = surrogate.index_of(LOADING)
         if CAP in surrogate.names:
             context.cap = surrogate.index_of(CAP)
         for name, values in space.reference_values.items():

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from autotune.search.strategies.steptime import CAP, LINEAR, SCALE, StepTimeSurrogate
+from autotune.search.strategies.steptime import CAP, LINEAR, OFF, SCALE, StepTimeSurrogate
 from autotune.search.strategies.surrogate import ACCUM, BATCH, BlockBuilder, Grid
 
 WORKERS = "dataloader_num_workers"
@@ -42,21 +42,17 @@ KINDS: dict[str, dict[str, tuple[Any, ...]]] = {
 }
 _WITHIN_KIND_SD = 0.06
 _HINGES = (16.0, 32.0, 64.0)  # throughput may fall past these sizes
-# Loading in the training process (0 workers) is serial with compute: a part of the step's time,
-# ``A x b x loading`` (log seconds per sample over the base values' work). Where probes measure their
-# input wait it is split off the targets and the loader model (:mod:`.throughput`) adds it back, so the
-# term is off (:data:`LOADING_OFF`); where they do not (a replay table, an evaluator of one's own) it is learnt.
-LOADING = "loading"
-LOADING_PRIOR = (-3.0, 1.5)  # mean, sd: a few % of fp32 work per sample, up to several-fold
-LOADING_OFF = (-30.0, 0.01)
-_ELSEWHERE = -60.0  # log offset of the loading term where workers load (exp: nothing)
-# Workers load in parallel with compute: the loader's rate, ``rate x workers^WORKER_SCALING``, caps the
-# throughput (a soft minimum, :data:`~autotune.search.strategies.steptime.CAP`). Where probes do not
-# measure their input wait it is learnt; its prior: one worker loads CAP_PRIOR[0] (log) above the
-# measured probes' median throughput.
+# The loader, learnt from throughput (and from the input wait, where probes report it). Workers load
+# in parallel with compute: their rate, ``rate x workers^WORKER_SCALING``, caps the throughput (a soft
+# minimum, :data:`~autotune.search.strategies.steptime.CAP`; its prior is set from the measurements:
+# one worker loads CAP_PRIOR[0] (log) above their median). Loading in the training process (0 workers)
+# is serial with compute: a part of the step's time, ``A x b / (rate x exp(loading))``, a priori
+# about as fast as one worker.
 WORKER_SCALING = 0.9
 CAP_PRIOR = (math.log(2.0), 1.5)
-CAP_OFF = (30.0, 0.01)
+CAP_UNKNOWN = 30.0  # the cap's prior mean before anything was measured: none
+LOADING = "loading"
+LOADING_SD = 0.5
 # A user-config field's effect on per-sample time (log): unknown before it is measured, and may be
 # large (packing sequences instead of padding them: 2.5x tokens/s on TRL's SFT example).
 _USER_FIELD_SD = 0.5
@@ -173,14 +169,13 @@ def step_time_surrogate(grid: Grid, accum_dims: tuple[str, ...], accum_values: l
     log_accum = np.log(accum_grid)
     log_batch = np.log(batch_values)
     offsets = {"overhead": log_accum, "per_sample": log_accum + log_batch, "step": np.zeros(grid.broadcast_shape(()))}
-    if WORKERS in grid.names and 0 in grid.values[WORKERS] and len(grid.values[WORKERS]) > 1:
-        terms[LOADING] = BlockBuilder(grid)
-        terms[LOADING].add((), [SCALE, LOADING], lambda v: [1.0, 1.0], [0.0, LOADING_PRIOR[0]], [_STEP_TIME_SD[SCALE], LOADING_PRIOR[1]])
-        serial = grid.along((WORKERS,), lambda **v: 0.0 if v[WORKERS] == 0 else _ELSEWHERE)
-        offsets[LOADING] = log_accum + log_batch + serial
     cap_offset = None
     if WORKERS in grid.names and len(grid.values[WORKERS]) > 1 and max(grid.values[WORKERS]) > 0:
         terms[CAP] = BlockBuilder(grid)
-        terms[CAP].add((WORKERS,), [CAP], lambda v: [float(v[WORKERS] > 0)], CAP_OFF[0], CAP_OFF[1])
-        cap_offset = grid.along((WORKERS,), lambda **v: WORKER_SCALING * math.log(v[WORKERS]) if v[WORKERS] > 0 else -_ELSEWHERE)
+        terms[CAP].add((WORKERS,), [CAP], lambda v: [float(v[WORKERS] > 0)], CAP_UNKNOWN, CAP_PRIOR[1])
+        cap_offset = grid.along((WORKERS,), lambda **v: WORKER_SCALING * math.log(v[WORKERS]) if v[WORKERS] > 0 else OFF)
+        if 0 in grid.values[WORKERS]:
+            terms[LOADING] = BlockBuilder(grid)
+            terms[LOADING].add((), [CAP, LOADING], lambda v: [-1.0, -1.0], [CAP_UNKNOWN, 0.0], [CAP_PRIOR[1], LOADING_SD])
+            offsets[LOADING] = log_accum + log_batch + grid.along((WORKERS,), lambda **v: 0.0 if v[WORKERS] == 0 else -OFF)
     return StepTimeSurrogate(grid, {name: builder.blocks for name, builder in terms.items()}, offsets, log_accum + log_batch, cap_offset)

@@ -29,7 +29,7 @@ POLISH_MARGIN = 1.3  # their predicted cost is a guess until their compile mode 
 POLISH_SHARE = 0.5  # at most this share of the run's budget is kept for polishing
 
 
-def polish_reserve(context: Context, state: SearchState, feasible: list[Configuration], model: tuple[np.ndarray, np.ndarray, np.ndarray],
+def polish_reserve(context: Context, state: SearchState, feasible: list[Configuration], model: tuple[np.ndarray, np.ndarray],
                    p_ok: np.ndarray, cost_ok: np.ndarray, allowed: np.ndarray, evidence: MemoryEvidence,
                    budget_s: float) -> tuple[float, np.ndarray, list[int]]:
     """Seconds to keep for polishing, the polishing probes themselves (a grid mask, and their flat
@@ -48,13 +48,12 @@ def polish_reserve(context: Context, state: SearchState, feasible: list[Configur
     for value in grid.values.get("gradient_checkpointing", ()):
         bases += [c.params for c in feasible if c.params.gradient_checkpointing == value][:1]
     bases = list(dict.fromkeys(bases))
-    mean, sd, cap = model
+    mean, sd = model
     flat = {name: np.broadcast_to(a, grid.shape).reshape(-1) for name, a in
-            (("mean", mean), ("sd", sd), ("cap", cap), ("p_ok", p_ok), ("cost_ok", cost_ok), ("allowed", allowed))}
+            (("mean", mean), ("sd", sd), ("p_ok", p_ok), ("cost_ok", cost_ok), ("allowed", allowed))}
     best = math.log(feasible[0].mean_samples_per_s) + MIN_GAIN
-    # A polishing probe's value, if it fits: P(runs) x expected improvement over the incumbent, up to the loader's cap.
-    top = np.minimum(flat["cap"], flat["mean"]).astype(np.float64)
-    worth = np.where(flat["allowed"], flat["p_ok"] * expected_improvement(top, flat["sd"].astype(np.float64), best), 0.0)
+    # A polishing probe's value, if it fits: P(runs) x expected improvement over the incumbent.
+    worth = np.where(flat["allowed"], flat["p_ok"] * expected_improvement(flat["mean"].astype(np.float64), flat["sd"].astype(np.float64), best), 0.0)
     # One polishing dimension changed at a time: the best of each keeps its time, so an expensive
     # compilation is not crowded out by a combination that costs both.
     best_of: dict[str, tuple[float, float, int]] = {}

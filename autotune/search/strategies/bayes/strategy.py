@@ -66,7 +66,7 @@ class BayesStrategy(Strategy):
         ran = [p for p in history if p.result.status is ProbeStatus.OK and p.result.samples_per_s and grid.flat_index(p.params) is not None]
         evidence = MemoryEvidence.of(context.groups, grid, history, state.ceiling_bytes)
         pending = pending_probes(context, state, evidence)
-        mean, sd, cap = throughput.posterior(context, ran, [params for params, fits in pending if fits])
+        mean, sd = throughput.posterior(context, ran, [params for params, fits in pending if fits])
         feasible = state.feasible()
         nothing_ran = not ran
         if pending:
@@ -98,10 +98,10 @@ class BayesStrategy(Strategy):
         sibling = questions.precision_sibling(context, state, feasible, allowed, history, p_ok, mean, evidence)
         if sibling is not None:
             return grid.params_at(sibling)
-        gain = throughput.gain(context, feasible, mean, sd, cap, allowed)
+        gain = throughput.gain(context, feasible, mean, sd, allowed)
         if state.remaining_s is not None:
             # A probe that would eat into the time kept for polishing is not started.
-            reserve, polishing, order = polish.polish_reserve(context, state, feasible, (mean, sd, cap), p_ok, cost_ok, allowed, evidence, self._budget_s)
+            reserve, polishing, order = polish.polish_reserve(context, state, feasible, (mean, sd), p_ok, cost_ok, allowed, evidence, self._budget_s)
             # Every dimension asked once near the incumbent, cheapest first: its time is kept like
             # polishing's, and it is asked at once where precisions tie.
             tie = coverage.tie_across_precisions(feasible)
