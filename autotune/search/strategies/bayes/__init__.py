@@ -5,8 +5,8 @@ improvement per expected probe second, ``P(runs | x) x P(fits | x) x EI(x) / E[p
 
 * **EI** (:mod:`.throughput`, :mod:`.features`): log samples/s through a step's time (overhead,
   per-sample work, optimizer step, and with 0 loader workers the loading), each part a product of
-  per-value factors, capped by the loader's rate: read off the probes that waited for input, or,
-  where probes report no wait, learnt with the rest. Improvements count beyond a probe's noise, and an
+  per-value factors, capped by the loader's rate, learnt with the rest (a probe's input wait, where
+  reported, splits its throughput into compute and waiting). Improvements count beyond a probe's noise, and an
   uncompiled candidate is measured against the best uncompiled configuration.
 * **P(runs)**: :class:`~autotune.search.strategies.failures.FailureModel`, once for crashes and once
   for divergences; a configuration holding every suspect of a failure is never run.

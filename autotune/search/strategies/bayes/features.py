@@ -5,7 +5,8 @@ Log samples/s through a training step's time (:class:`~autotune.search.strategie
 (precision, attention kernel, compile mode and checkpointing act on a micro-step's overhead and on
 the per-sample time, the optimizer on its step; values of one kind, such as the 16-bit precisions or
 the compile modes, share an effect), per-sample hinges past middle batch sizes and misalignment
-terms, and small residuals (loader workers, accumulation, per batch size). The expert ordering
+terms, and small residuals (loader workers, accumulation, per batch size); with 0 loader workers the
+loading is a fourth part of the step, and the workers' rate a cap on throughput. The expert ordering
 (bf16 > fp16 > tf32 > fp32, flash > sdpa > eager, checkpointing slower) is only the prior mean: it
 decides what is tried first, never what may be measured.
 """
