@@ -111,7 +111,7 @@ GPU_SEEDS = 5  # family mode: seeds per GPU-recorded table and budget
 # Further held-out ranges: heldoutN starts at draw N x bench.family.RANGE_SPAN (heldout, from
 # bench.family, is the first). Each was added when the one before it had been seen, and is run once a
 # design is frozen.
-LAST_HELDOUT = 24  # heldout19 (1900000-...): defined for #44 (family version 2), run once on its final code; heldout20: for the simplified package (2026-11-27); heldout21: spent on 2026-11-28 (the strategy with the median out-of-memory step); heldout22: spent on 2026-11-28 (the replays told the parameter count, paired with and without); heldout23: spent on 2026-11-28 (the loader learnt from throughput, run once); heldout24: the next comparison (defined before any run)
+LAST_HELDOUT = 25  # heldout19 (1900000-...): defined for #44 (family version 2), run once on its final code; heldout20: for the simplified package (2026-11-27); heldout21: spent on 2026-11-28 (the strategy with the median out-of-memory step); heldout22: spent on 2026-11-28 (the replays told the parameter count, paired with and without); heldout23: spent on 2026-11-28 (the loader learnt from throughput, run once); heldout24: spent on 2026-11-28 (one loader model, run once, with the day's first strategy for the before/after); heldout25: the next comparison (defined before any run)
 LOW_RATIO = 0.95  # #14's target for the 5th percentile: draws below it are counted ("<0.95")
 CHANGED = 0.005  # --compare: a draw whose ratio moved more than this changed
 BOOTSTRAP_RESAMPLES = 2000
