@@ -109,6 +109,7 @@ class StepTimeSurrogate:
         self.cov = np.diag(self.prior_sd**2)
         self._mode: np.ndarray | None = None  # the last mode found: the next fit starts there
         self._collapse = TermSum(grid.shape)
+        self._row_cache: dict[tuple[int, ...], tuple[dict[str, np.ndarray], dict[str, float], float]] = {}
 
     def index_of(self, name: str) -> int:
         return self.names.index(name)
@@ -129,25 +130,31 @@ class StepTimeSurrogate:
     def _rows(self, params: Sequence[TrialParams], compute: Sequence[bool] = ()) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], np.ndarray]:
         """Per component, the feature rows (configurations x parameters); per term, its offsets; the base.
         Rows flagged in ``compute`` are the compute part alone: without the cap and the terms beyond :data:`TERMS`."""
-        codes = [self.grid.codes(p) for p in params]
-        rows = {c: np.zeros((len(params), self.n_features)) for c in self.components}
-        for component, placed in self.components.items():
-            for item in placed:
-                for r, code in enumerate(codes):
-                    rows[component][r, item.index] += Grid.at(item.block.tensor, code)
-
-        def pick(array: np.ndarray) -> np.ndarray:
-            return np.array([Grid.at(array, code) for code in codes], dtype=float)
-
-        picked = {t: pick(self.offsets[t]) for t in self.terms}
-        if self.cap_offset is not None:
-            picked[CAP] = pick(self.cap_offset)
+        cached = [self._row(self.grid.codes(p)) for p in params]
+        rows = {c: np.array([row[c] for row, _, _ in cached]).reshape(len(params), self.n_features) for c in self.components}
+        names = (*self.terms, CAP) if self.cap_offset is not None else self.terms
+        picked = {name: np.array([offsets[name] for _, offsets, _ in cached], dtype=float) for name in names}
+        base = np.array([b for _, _, b in cached], dtype=float)
         alone = np.zeros(len(params), dtype=bool)
         alone[:len(compute)] = compute
         for name, offset in picked.items():
             if name not in TERMS:
                 offset[alone] = OFF if name == CAP else -OFF
-        return rows, picked, pick(self.base)
+        return rows, picked, base
+
+    def _row(self, codes: tuple[int, ...]) -> tuple[dict[str, np.ndarray], dict[str, float], float]:
+        """One configuration's feature row per component, its offset per term (and the cap's), and its base (kept per configuration)."""
+        cached = self._row_cache.get(codes)
+        if cached is None:
+            rows = {c: np.zeros(self.n_features) for c in self.components}
+            for component, placed in self.components.items():
+                for item in placed:
+                    rows[component][item.index] += Grid.at(item.block.tensor, codes)
+            offsets = {t: float(Grid.at(self.offsets[t], codes)) for t in self.terms}
+            if self.cap_offset is not None:
+                offsets[CAP] = float(Grid.at(self.cap_offset, codes))
+            cached = self._row_cache[codes] = (rows, offsets, float(Grid.at(self.base, codes)))
+        return cached
 
     def _evaluate(self, theta: np.ndarray, rows: dict[str, np.ndarray], offsets: dict[str, np.ndarray], base: np.ndarray,
                   capped: bool = True) -> tuple[np.ndarray, np.ndarray]:
