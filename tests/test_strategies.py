@@ -422,6 +422,14 @@ def test_bayes_predicts_an_input_bound_configuration_at_its_loaders_measured_rat
     assert state.history[0].result.input_bound and predicted(2) == pytest.approx(30.0, rel=0.02)
 
 
+def test_bayes_reads_a_waiting_probes_compute_rate_off_its_input_wait() -> None:
+    # bf16 computes 100 samples/s; 2 workers load 30, and the probe waited 70 % of its step: the wait says
+    # the loader, not compute, set the pace, so 8 workers are expected far past 30 (the loader's 4x is ~104,
+    # compute's 100), where throughput alone could not tell which of the two limited it.
+    _, _, predicted = _loader_bound_model((2,))
+    assert predicted(8) > 2.5 * predicted(2)
+
+
 def test_bayes_learns_main_process_loading_from_throughput_where_probes_report_no_input_wait() -> None:
     # A replay table has no input wait: loading in the training process (0 workers) ran 12 samples/s
     # at batch 64 whatever the rest, 2 workers 75 at batch 24. Without a wait to split it, the 0-worker
