@@ -193,7 +193,6 @@ def test_a_probe_the_kernels_oom_killer_ended_is_out_of_host_memory(nproc, shard
     assert _probe_processes() == []
 
 
-
 def test_gpus_split_into_workers_of_as_many_consecutive_gpus_as_a_probe_spans() -> None:
     from autotune.workers import worker_devices
 

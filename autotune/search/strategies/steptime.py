@@ -88,8 +88,9 @@ class StepTimeSurrogate:
         sds: dict[str, float] = {}
         self.components: dict[str, list[_Placed]] = {}
         self.terms = tuple(offsets)  # TERMS, and any other part of the step's time the model adds
-        self.linear = (LINEAR, CAP) if cap_offset is not None else (LINEAR,)  # the components outside the step's time
-        for component in (*self.terms, *self.linear):
+        self.cap_offset = None if cap_offset is None else np.asarray(cap_offset, dtype=float)
+        self.offset_names = (*self.terms, CAP) if cap_offset is not None else self.terms  # what carries an offset per configuration
+        for component in (*self.terms, LINEAR, *self.offset_names[len(self.terms):]):
             placed = []
             for block in _merged(grid, components.get(component, [])):
                 for name, mean, sd in zip(block.names, block.prior_mean, block.prior_sd):
@@ -104,7 +105,6 @@ class StepTimeSurrogate:
         self.prior_sd = np.array([sds[n] for n in names])
         self.offsets = {t: np.asarray(offsets[t], dtype=float) for t in self.terms}
         self.base = np.asarray(base, dtype=float)
-        self.cap_offset = None if cap_offset is None else np.asarray(cap_offset, dtype=float)
         self.mean = self.prior_mean.copy()
         self.cov = np.diag(self.prior_sd**2)
         self._mode: np.ndarray | None = None  # the last mode found: the next fit starts there
@@ -132,8 +132,7 @@ class StepTimeSurrogate:
         Rows flagged in ``compute`` are the compute part alone: without the cap and the terms beyond :data:`TERMS`."""
         cached = [self._row(self.grid.codes(p)) for p in params]
         rows = {c: np.array([row[c] for row, _, _ in cached]).reshape(len(params), self.n_features) for c in self.components}
-        names = (*self.terms, CAP) if self.cap_offset is not None else self.terms
-        picked = {name: np.array([offsets[name] for _, offsets, _ in cached], dtype=float) for name in names}
+        picked = {name: np.array([offsets[name] for _, offsets, _ in cached], dtype=float) for name in self.offset_names}
         base = np.array([b for _, _, b in cached], dtype=float)
         alone = np.zeros(len(params), dtype=bool)
         alone[:len(compute)] = compute

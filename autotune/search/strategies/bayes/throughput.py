@@ -50,6 +50,8 @@ def posterior(context: Context, ran: list[Probe], pending: Iterable[TrialParams]
             targets.append(math.log(probe.result.samples_per_s or 1.0) - (math.log1p(-wait) if alone else 0.0))
             noise.append(probe_noise**2 + MODEL_NOISE**2 + ((wait / (1 - wait) * 0.05) ** 2 if alone else 0.0))
             compute.append(alone)
+    # The scale is centred on the step's time without the loader (the cap's prior at "none", which also
+    # takes the 0-worker loading, one worker's time, out), then the cap's prior is set from the measurements.
     if context.cap is not None:
         surrogate.prior_mean[context.cap] = CAP_UNKNOWN
     surrogate.set_scale(measured, targets)
