@@ -241,6 +241,26 @@ def test_an_out_of_memory_probe_bounds_its_activation_class() -> None:
     assert memory.predict(smaller) > 20 * GiB
 
 
+def test_an_out_of_memory_probe_bounds_a_measured_activation_class_too() -> None:
+    # Checkpointing keeps 60 % here (the generic factor says 15 %), and its one peak is at one batch
+    # size (16), which cannot tell its activations from its static memory. An OOM at batch 40 in
+    # that class says its activations are at least what fills the ceiling there: fp16 at 40 (the
+    # same memory) is predicted at the ceiling, no longer 1.2 GiB under it, and 8-bit Adam's group higher.
+    ceiling = 14 * GiB
+    memory = MemoryModel(oom_floor_bytes=ceiling)
+    plain = TrialParams(precision="bf16", optim="adamw_torch_fused", per_device_train_batch_size=4)
+    checkpointed = plain.replace(gradient_checkpointing=True, per_device_train_batch_size=16)
+    for params in (plain, plain.replace(per_device_train_batch_size=8), checkpointed):
+        memory.observe(params, _ok(_generic_truth(params, checkpointing_keeps=0.6)))
+    oom = checkpointed.replace(per_device_train_batch_size=40)
+    fp16, eight_bit = oom.replace(precision="fp16"), oom.replace(optim="adamw_bnb_8bit")
+    before = memory.predict(fp16), memory.predict(eight_bit)
+    assert before[0] < 0.95 * ceiling
+    memory.observe(oom, _oom())
+    assert memory.predict(fp16) >= 0.99 * ceiling
+    assert memory.predict(eight_bit) > before[1] + 0.5 * GiB
+
+
 def _activation_slope(memory: MemoryModel, params: TrialParams) -> float:
     """The predicted peak's growth per sample for the group of ``params`` (from its batch to batch 3)."""
     return float(memory.predict(params.replace(per_device_train_batch_size=3)) - memory.predict(params))
@@ -313,12 +333,15 @@ def test_without_model_dims_the_cuda_context_is_not_counted_per_parameter() -> N
     # fp32 at 8, bf16 at 16, bf16 compiled at 24, bf16 checkpointed at 96 (it kept ~25 %)
     ({("fp32", 8, False, "off"): 16.6, ("bf16", 16, False, "off"): 17.0, ("bf16", 24, False, "inductor"): 22.2,
       ("bf16", 96, True, "off"): 23.9}, 23.5, 88, 76.1),
+    # bf16 compiled at 4, bf16 and fp16 checkpointed at 16: one direction without checkpointing
+    ({("bf16", 4, False, "inductor"): 2.9, ("bf16", 16, True, "off"): 3.0, ("fp16", 16, True, "off"): 3.0}, 3.15, 64, 17.4),
 ])
 def test_checkpointed_peaks_do_not_take_the_activations_bytes_away(peaks_gib, ceiling_gib, batch, true_gib) -> None:
-    # Two drawn landscapes' first peaks (no model dims). Fitted with the checkpointed peak at its
+    # Three drawn landscapes' first peaks (no model dims). Fitted with the checkpointed peak at its
     # large batch and the fixed 15 %, the activations got 0-2 % of their bytes: the bf16 group was
-    # predicted near its one peak at every batch, and the searches ran out of memory at 5 and 30
-    # batches in a row. The peaks without checkpointing carry the fit; a batch whose true peak is
+    # predicted near its one peak at every batch, and the searches ran out of memory at 5, 30 and
+    # 12 batches in a row. The peaks without checkpointing carry the fit (where they leave the
+    # activations nothing, one common scale through the last of them); a batch whose true peak is
     # far over the ceiling is predicted over it, and pruned.
     memory = MemoryModel(oom_floor_bytes=int(ceiling_gib * GiB))
     for (precision, b, ckpt, compiled), peak in peaks_gib.items():

@@ -167,46 +167,47 @@ class MemoryModel:
         drawn landscape with a 1 GiB context and a 50M-parameter model, 8-bit Adam's 2 B/param were
         predicted at 0.4 GiB more than Adafactor's, not 0.1, and never run under a tight ceiling.
         """
-        if self._scales is not None:
-            return self._scales
+        if self._scales is None and self._observations:
+            self._scales = self._fit_scales()
+        return self._scales if self._observations or self.dims is None else (1.0, 1.0)
+
+    def _fit_scales(self) -> tuple[float, float]:
         rows = [(*self._features(p), float(p.per_device_train_batch_size), float(m)) for p, m in self._observations]
-        prior = (1.0, 1.0) if self.dims is not None else None
-        if not rows:
-            self._scales = prior
-            return prior
         x = np.array([[s, b * a] for s, a, b, _ in rows])
         y = np.array([m for *_, m in rows])
-        if prior is not None:  # ridge toward the analytic model: a few points refine it, never flip it
+        if self.dims is not None:  # ridge toward the analytic model: a few points refine it, never flip it
             weight = float(np.median(y)) * 0.3  # worth ~0.1 of a measurement per scale
-            x = np.vstack([x, [[weight, 0.0], [0.0, weight]]])
-            y = np.concatenate([y, [weight, weight]])
-        else:
-            base_prior = min(float(CUDA_CONTEXT_BYTES), 0.5 * float(y.min()))
-            if np.linalg.matrix_rank(x) < 2:
-                # Points of one kind only: the prior's constant, one common scale for both features.
-                s, a, b, m = rows[-1]
-                self._base_bytes = base_prior
-                self._scales = ((m - base_prior) / (s + b * a),) * 2
-                return self._scales
-            weight = PEAK_SD * float(np.median(y)) / BASE_PRIOR_SD_BYTES  # the prior's worth against a peak's error
-            # Checkpointing's fixed factor (15 % of the activations kept) is the least certain
-            # (models keep 10-50 %), and checkpointed probes run at the largest batches, where a
-            # wrong factor moves the fit most: on drawn landscapes their peaks left 0-2 % of the
-            # bytes to an activation, every batch of a group measured once was predicted near its
-            # one peak, and a search ran out of memory at 5-30 batches in a row. Where the peaks
-            # without checkpointing can carry the fit (two directions), it is theirs;
-            # _learn_classes learns what checkpointing keeps.
-            plain = np.array([not p.gradient_checkpointing for p, _ in self._observations])
-            if np.linalg.matrix_rank(x[plain]) >= 2:
-                coef = self._fit_with_base(x[plain], y[plain], base_prior, weight)
-            else:
-                coef = self._fit_with_base(x, y, base_prior, weight)
-            self._base_bytes = min(max(float(coef[0]), 0.0), float(y.min()))
-            self._scales = (max(float(coef[1]), 0.0), max(float(coef[2]), 1e-12))
-            return self._scales
-        coef, *_ = np.linalg.lstsq(x, y, rcond=None)
-        self._scales = (max(float(coef[0]), 0.0), max(float(coef[1]), 1e-12))
-        return self._scales
+            coef, *_ = np.linalg.lstsq(np.vstack([x, [[weight, 0.0], [0.0, weight]]]), np.concatenate([y, [weight, weight]]), rcond=None)
+            return max(float(coef[0]), 0.0), max(float(coef[1]), 1e-12)
+        base_prior = min(float(CUDA_CONTEXT_BYTES), 0.5 * float(y.min()))
+        # Checkpointing's fixed factor (15 % of the activations kept) is the least certain
+        # (models keep 10-50 %), and checkpointed probes run at the largest batches, where a
+        # wrong factor moves the fit most: on drawn landscapes their peaks left 0-2 % of the
+        # bytes to an activation, every batch of a group measured once was predicted near its
+        # one peak, and a search ran out of memory at 5-30 batches in a row. Where the peaks
+        # without checkpointing can carry the fit (two directions), it is theirs;
+        # _learn_classes learns what checkpointing keeps.
+        plain = np.array([not p.gradient_checkpointing for p, _ in self._observations])
+        coef = None
+        if np.linalg.matrix_rank(x[plain]) >= 2:
+            coef = self._fit_with_base(x[plain], y[plain], base_prior, self._base_weight(y))
+        elif np.linalg.matrix_rank(x) >= 2:
+            coef = self._fit_with_base(x, y, base_prior, self._base_weight(y))
+            if coef[2] <= 0 and plain.any():  # the checkpointed peaks leave the activations nothing: their factor is off
+                coef = None
+        if coef is None:
+            # Points of one kind only (or only one without checkpointing worth believing): the
+            # prior's constant, one common scale for both features through the last such point.
+            s, a, b, m = rows[int(np.flatnonzero(plain)[-1]) if plain.any() else -1]
+            self._base_bytes = base_prior
+            return ((m - base_prior) / (s + b * a),) * 2
+        self._base_bytes = min(max(float(coef[0]), 0.0), float(y.min()))
+        return max(float(coef[1]), 0.0), max(float(coef[2]), 1e-12)
+
+    @staticmethod
+    def _base_weight(y: np.ndarray) -> float:
+        """The constant's prior's worth against a peak's error."""
+        return PEAK_SD * float(np.median(y)) / BASE_PRIOR_SD_BYTES
 
     @staticmethod
     def _fit_with_base(x: np.ndarray, y: np.ndarray, base_prior: float, weight: float) -> np.ndarray:
@@ -321,13 +322,12 @@ class MemoryModel:
         if binding:
             self._factor_model = self._fit_factors({**measured, **binding})
         for key in set(measured) | set(bounds):
-            predicted = self._predicted_log_scale(key)
+            estimate = self._predicted_log_scale(key)
             if key in measured:
                 # The class's own estimate, shrunk toward what its factors predict (precision-weighted).
                 own, prior = 1.0 / measured[key][1], 1.0 / CLASS_SD**2
-                self._class_log_scale[key] = float((own * measured[key][0] + prior * predicted) / (own + prior))
-            else:
-                self._class_log_scale[key] = max(predicted, bounds[key])
+                estimate = (own * measured[key][0] + prior * estimate) / (own + prior)
+            self._class_log_scale[key] = float(max(estimate, bounds.get(key, -math.inf)))
 
     def _fit_factors(self, classes: dict[ActivationClass, tuple[float, float]]) -> tuple[float, np.ndarray]:
         """Ridge regression of classes' log activation scales on their factors: (intercept, effects)."""
