@@ -167,9 +167,11 @@ class MemoryModel:
         drawn landscape with a 1 GiB context and a 50M-parameter model, 8-bit Adam's 2 B/param were
         predicted at 0.4 GiB more than Adafactor's, not 0.1, and never run under a tight ceiling.
         """
-        if self._scales is None and self._observations:
+        if not self._observations:
+            return None if self.dims is None else (1.0, 1.0)
+        if self._scales is None:
             self._scales = self._fit_scales()
-        return self._scales if self._observations or self.dims is None else (1.0, 1.0)
+        return self._scales
 
     def _fit_scales(self) -> tuple[float, float]:
         rows = [(*self._features(p), float(p.per_device_train_batch_size), float(m)) for p, m in self._observations]
@@ -277,7 +279,8 @@ class MemoryModel:
            where that needs more activation than the class is predicted, the bound counts as a
            measurement of the class (at most :data:`MAX_BOUND_LOG`), and step 2 is redone;
         3. a measured class keeps its own ``u_c`` shrunk toward step 2's prediction; a class never
-           measured gets step 2's prediction, at least its out-of-memory bound.
+           measured gets step 2's prediction; either, at least its out-of-memory bound (a class
+           measured at one batch size cannot split its peak between static memory and activations).
 
         With one class measured and no OOM, or every peak at one batch size, nothing changes but the
         scale; a group's own line wins.
