@@ -183,16 +183,16 @@ def _state_bytes(dims: ModelDims, precision: str, optim: str, sharding: str) -> 
     weights += int(q * QLORA_BYTES_PER_QUANTIZED_PARAM)
     # Gradients have the parameters' dtype (fp32 under AMP too), and so does the state of torch's optimizers.
     gradients = 4 * trainable if dims.trainable_bytes is None else dims.trainable_bytes
-    optimizer = optimizer_state_bytes(optim, trainable, dims.hidden_size, dims.trainable_bytes)
-    if sharding != NO_SHARDING:
-        # DeepSpeed's ZeRO steps an fp32 master copy of the trainable weights with fp32 optimizer state, whatever the module
-        # stores (a clone also when the module is fp32: stage_1_and_2's single_partition_of_fp32_groups); under mixed
-        # precision it holds the module and its gradients in 16 bits: 2 + 2 + K bytes per parameter (Rajbhandari et al.
-        # 2020, "ZeRO", sec. 3.1).
-        optimizer = optimizer_state_bytes(optim, trainable, dims.hidden_size) + 4 * trainable
-        if amp:
-            weights -= 4 * fp32
-            gradients = 2 * trainable
+    if sharding == NO_SHARDING:
+        return weights, gradients, optimizer_state_bytes(optim, trainable, dims.hidden_size, dims.trainable_bytes)
+    # DeepSpeed's ZeRO steps an fp32 master copy of the trainable weights with fp32 optimizer state, whatever the module
+    # stores (a clone also when the module is fp32: stage_1_and_2's single_partition_of_fp32_groups); under mixed
+    # precision it holds the module and its gradients in 16 bits: 2 + 2 + K bytes per parameter (Rajbhandari et al.
+    # 2020, "ZeRO", sec. 3.1).
+    optimizer = optimizer_state_bytes(optim, trainable, dims.hidden_size) + 4 * trainable
+    if amp:
+        weights -= 4 * fp32
+        gradients = 2 * trainable
     return weights, gradients, optimizer
 
 
