@@ -190,11 +190,12 @@ class MemoryModel:
         # without checkpointing can carry the fit (two directions), it is theirs;
         # _learn_classes learns what checkpointing keeps.
         plain = np.array([not p.gradient_checkpointing for p, _ in self._observations])
+        weight = PEAK_SD * float(np.median(y)) / BASE_PRIOR_SD_BYTES  # the constant's prior's worth against a peak's error
         coef = None
         if np.linalg.matrix_rank(x[plain]) >= 2:
-            coef = self._fit_with_base(x[plain], y[plain], base_prior, self._base_weight(y))
+            coef = self._fit_with_base(x[plain], y[plain], base_prior, weight)
         elif np.linalg.matrix_rank(x) >= 2:
-            coef = self._fit_with_base(x, y, base_prior, self._base_weight(y))
+            coef = self._fit_with_base(x, y, base_prior, weight)
             if coef[2] <= 0 and plain.any():  # the checkpointed peaks leave the activations nothing: their factor is off
                 coef = None
         if coef is None:
@@ -205,11 +206,6 @@ class MemoryModel:
             return ((m - base_prior) / (s + b * a),) * 2
         self._base_bytes = min(max(float(coef[0]), 0.0), float(y.min()))
         return max(float(coef[1]), 0.0), max(float(coef[2]), 1e-12)
-
-    @staticmethod
-    def _base_weight(y: np.ndarray) -> float:
-        """The constant's prior's worth against a peak's error."""
-        return PEAK_SD * float(np.median(y)) / BASE_PRIOR_SD_BYTES
 
     @staticmethod
     def _fit_with_base(x: np.ndarray, y: np.ndarray, base_prior: float, weight: float) -> np.ndarray:
