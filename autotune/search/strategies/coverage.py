@@ -1,15 +1,10 @@
 """Every dimension asked at least once near the incumbent.
 
-A model of throughput learns only what was measured: where the loader sets the pace and the probes
-report no input wait, every precision measures the same, the model sees no reason to try more
-loader workers, and the search returns whatever noise put first. So before the budget ends each
-dimension (loader workers, accumulation, optimizer, attention kernel, compile mode,
-checkpointing) is asked once near the incumbent: a configuration that differs from it in that
-dimension (its batch size may differ too) has been probed, or the memory model and the measured
-failures rule every such variant out. The strategy decides when (its time kept to the end, or at
-once when configurations of different precisions measure alike: then something else, such as the
-loader, is the bottleneck) and checks what is allowed; this module says what is still unasked and
-which variant asks it.
+A model learns only what was measured: where the loader sets the pace and no probe reports its input
+wait, every precision measures the same and nothing points to more workers. So each dimension of
+:data:`DIMENSIONS` is asked once near the incumbent: some probe differs from it in that dimension
+alone (the batch size aside), or the memory model and the failures rule every such variant out. This
+module says what is unasked and which variant asks it; the strategy decides when.
 """
 
 from __future__ import annotations

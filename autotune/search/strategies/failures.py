@@ -1,36 +1,13 @@
 """What crashes and what diverges, inferred from the probes that did.
 
-A failure (``crash`` or ``diverged``) is caused by a value (bf16 on a card without it, a broken
-8-bit optimizer) or by a pair of values (flash attention in fp32, a compile mode with
-checkpointing), and it is deterministic: the same cause fails wherever it appears. A probe that
-ran (``ok``) clears every value and every pair in it. So each failure has *suspects*: its values
-and pairs that no successful probe has cleared, and at least one of them is a real cause.
-
-The posterior is computed over *worlds*: which suspected values, and which pairs suspected by
-two failures or more, are causes (each a priori with its :class:`Kind`'s value or pair prior).
-A world that leaves a failure unexplained needs one of that failure's own pairs to be a cause
-(which one, in proportion to their priors). The chance that a configuration runs is then summed over the
-likely worlds, so:
-
-* one failure makes its lone suspect value likely (about 0.6), not certain: elsewhere the value
-  is still worth a probe if it promises enough, and a crash at start-up costs little;
-* a second failure in a *different* context makes it near certain; another failure in the same
-  context adds little, as it should: the two explanations (the value, or a pair around it) stay
-  apart until a probe separates them;
-* a configuration that holds every suspect of some failure fails in every world: it is never run
-  (a compile mode that crashed is not retried with the same precision, attention, optimizer and
-  checkpointing);
-* a value that succeeds anywhere is cleared everywhere, and the failures it was suspected of are
-  then blamed on their pairs;
-* compile modes share a cause, compilation itself (:data:`COMPILED`: a graph dynamo cannot trace
-  breaks in every mode): a crash of one mode makes the other suspect, a second crash in another
-  mode and context makes compiling at all unlikely to run, and any compiled probe that ran clears it.
-
-Crashes (at start-up or while compiling) and divergences (a non-finite loss) are two kinds with
-causes of their own (:data:`KINDS`): a probe that ran out of memory at its first step, or diverged
-later, got past start-up and compilation, so it clears its values of crashing but not of
-diverging. Batch size is no suspect (its failures are out-of-memory, which the memory model
-handles); pairs are only formed among the dimensions that select code paths (:data:`PAIR_DIMS`).
+A failure is caused by a value (bf16 on a card without it) or a pair of values (flash attention in
+fp32), deterministically. A probe that ran clears its values and pairs, so each failure's *suspects*
+are its uncleared values and pairs, one of them a cause. The posterior is computed over *worlds*
+(which suspected values, and which pairs suspected twice or more, are causes), so one failure makes
+its lone suspect likely, not certain; a second in another context makes it near certain; a
+configuration holding every suspect of a failure is never run. Compile modes share one more cause,
+compilation itself (:data:`COMPILED`), until a compiled probe runs. Crashes and divergences are two
+:data:`KINDS`: an out-of-memory or a divergence got past start-up, so it clears crash suspicion only.
 """
 
 from __future__ import annotations

@@ -1,42 +1,19 @@
-"""A model of log samples/s built from a training step's time: overhead, per-sample work, optimizer step.
+"""Log samples/s through a training step's time: ``A x (overhead + b x per_sample) + optimizer_step``.
 
-A training step of ``A`` micro-batches of ``b`` samples takes ``A x (overhead + b x per_sample) +
-optimizer_step`` seconds, so::
+For ``A`` micro-batches of ``b`` samples, ``log samples/s = log(A b) - logsumexp(L_overhead,
+L_per_sample, L_step) + residual``; each ``L`` is a sum of per-value effects (precision, attention,
+compile mode and checkpointing on the micro-step; the optimizer on its step) plus its offset
+(``log A``, ``log A + log b``, 0), and the residual holds small terms that do not split that way. So a
+dimension's gain depends on where the batch sits on its curve, and the saturation point is learnt.
+A model may add parts to the step's time and a *cap* (the loader's rate) joined by a soft minimum;
+the posterior is then bimodal where the data allow both readings (the precisions tie because the
+loader sets the pace, or because they compute alike), so the mode is also sought from the lowest cap
+the measurements allow.
 
-    log samples/s = log(A b) - log(exp(L_overhead) + exp(L_per_sample) + exp(L_step)) + residual
-
-with ``L_overhead = log A + log overhead``, ``L_per_sample = log A + log b + log per_sample`` and
-``L_step = log optimizer_step``, each the sum of per-value effects of the dimensions that act on it
-(precision, attention kernel, compile mode and checkpointing on the micro-step's overhead and its
-per-sample time; the optimizer on its step) and ``residual`` small terms that do not split that way
-(loader workers, accumulation, per-size deviations).
-
-What this says that a sum of per-value effects on log samples/s cannot: a dimension's effect
-depends on where the batch sits on its curve. Compilation that cuts a step's overhead gains most at
-small batches, compilation that speeds the kernels gains most at large ones, and the data decide
-which (a measurement at one batch says how much it gains at another); a faster kernel saturates at a
-larger batch; accumulation amortises the optimizer step exactly. The saturation point (overhead over
-per-sample time) is learnt, not fixed by a basis.
-
-A model may add parts to the step's time (loading in the training process, serial with compute) and
-a *cap*: a rate the throughput cannot pass (the loader's with its workers, in parallel with compute),
-joined to the step-time prediction by a soft minimum. The posterior is then bimodal where the data
-allow both readings (the precisions tie because the loader sets the pace, or because they compute
-alike), so the mode is also sought from the lowest cap the measurements allow.
-
-Inference is Laplace's: the posterior mode by damped Gauss-Newton under Gaussian priors (the expert
-ordering enters only as prior means), the covariance from the Hessian there. A prediction over the
-whole grid linearises around the mode: its mean is exact, its variance ``J S J'`` with ``J`` the sum
-of each term's features weighted by its share of the step time at that point (``-share_k x F_k``).
-The features are small blocks over a few dimensions (as in :mod:`.surrogate`), so the variance is a
-sum over pairs of terms of grid-wide share products times block-pair sums; the grid's Jacobian is
-never built.
-
-The posterior's sd is scaled by :data:`SD_CALIBRATION` before use: a Laplace posterior under
-deliberately wide priors overstates what the model does not know. Measured with ``python -m
-bench.trace 0-99 --calibration`` (design draws, 30 virtual minutes, one search per draw, each probe's
-error against its prediction when proposed): unscaled, z = error / sqrt(sd^2 + noise^2) had sd 0.65
-(1,898 probes); scaled by 0.6, sd 0.99 (1,714 probes) and 5.4 % beyond 2 (a normal: 4.6 %).
+Inference is Laplace's: the mode by damped Gauss-Newton under Gaussian priors, the covariance from
+the Hessian there; over the grid the mean is exact and the variance ``J S J'`` is summed over pairs of
+feature blocks, never building the grid's Jacobian. The sd is scaled by :data:`SD_CALIBRATION` so that
+the model's errors on its own probes match it (``python -m bench.trace 0-99 --calibration``).
 """
 
 from __future__ import annotations

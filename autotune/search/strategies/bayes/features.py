@@ -1,14 +1,10 @@
-"""The throughput model's features and their priors.
+"""The throughput model's features and their priors (the model: :mod:`..steptime`).
 
-Log samples/s through a training step's time (:class:`~autotune.search.strategies.steptime.StepTimeSurrogate`):
-``A x (overhead + b x per-sample) + optimizer step``, each part a product of per-value factors
-(precision, attention kernel, compile mode and checkpointing act on a micro-step's overhead and on
-the per-sample time, the optimizer on its step; values of one kind, such as the 16-bit precisions or
-the compile modes, share an effect), per-sample hinges past middle batch sizes and misalignment
-terms, and small residuals (loader workers, accumulation, per batch size); with 0 loader workers the
-loading is a fourth part of the step, and the workers' rate a cap on throughput. The expert ordering
-(bf16 > fp16 > tf32 > fp32, flash > sdpa > eager, checkpointing slower) is only the prior mean: it
-decides what is tried first, never what may be measured.
+Precision, attention kernel, compile mode and checkpointing act on a micro-step's overhead and on the
+per-sample time, the optimizer (and sharding) on the step; values of one kind (the 16-bit precisions,
+the compile modes) share an effect. Per-sample hinges, misalignment terms and small residuals
+(workers, accumulation, batch size) complete it; the loader is a fourth part of the step with 0
+workers and a cap on throughput with more. The expert ordering is only the prior mean.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""Questions the expected improvement per second ranks too late, asked on purpose.
-
-* **Every dimension once near the incumbent** (:func:`coverage_question`, what is unasked:
-  :mod:`autotune.search.strategies.coverage`): cheapest first, what the memory model or failures
-  rule out skipped.
-* **The other 16-bit format, once** (:func:`precision_sibling`): fp16 and bf16 are a prior 2 %
-  apart, either can be several percent faster, and the answer carries to every configuration of
-  that precision.
+"""Questions the expected improvement per second ranks too late, asked on purpose: every dimension
+once near the incumbent (:func:`coverage_question`), and the other 16-bit format once
+(:func:`precision_sibling`: fp16 and bf16 are a prior 2 % apart, and the answer carries to every
+configuration of that precision).
 """
 
 from __future__ import annotations
