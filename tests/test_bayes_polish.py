@@ -279,25 +279,6 @@ def test_no_two_polishing_probes_ask_the_same_question_with_another_loader_worke
     assert any(grid.params_at(i).torch_compile == "inductor:max-autotune" for i in order)
 
 
-def test_polishing_asks_less_accumulation_where_accumulating_measured_slower(monkeypatch) -> None:
-    # Uncompiled, accumulating measured slower at batch 32 (100 samples/s at 1, 86 at 4; on an H100,
-    # samples/s at accumulation 2 over 1 ranged 0.82-1.59x); the incumbent accumulates 4, compiled.
-    # Its variant with less accumulation keeps polishing time, as more accumulation would.
-    space = parse_space({"per_device_train_batch_size": [16, 32], "gradient_accumulation_steps": [1, 2, 4], "precision": ["bf16"],
-                         "torch_compile": ["off", "inductor"]})
-    incumbent = {"precision": "bf16", "per_device_train_batch_size": 32, "gradient_accumulation_steps": 4, "torch_compile": "inductor"}
-    history = [_ok(0, 100.0, precision="bf16", per_device_train_batch_size=32),
-               _ok(1, 86.0, precision="bf16", per_device_train_batch_size=32, gradient_accumulation_steps=4),
-               _ok(2, 120.0, wall_s=120.0, **incumbent), _ok(3, 80.0, precision="bf16", per_device_train_batch_size=16)]
-    memory = MemoryModel()
-    memory.observe_all((p.params, p.result) for p in history)
-    strategy, state, context, model, cost_ok, allowed, evidence = _polish_inputs(space, history, memory)
-    monkeypatch.setattr(polish, "models_pick", lambda *args, **kwargs: None)  # the variants alone
-    _, _, order = polish.polish_reserve(context, state, state.feasible(), model, np.ones(context.grid.shape), cost_ok, allowed, evidence, 1800.0)
-    kept = [context.grid.params_at(i) for i in order]
-    assert history[2].params.replace(gradient_accumulation_steps=1) in kept
-
-
 def _precision_state(history: list[Probe], precisions: list[str], **more: list) -> SearchState:
     space = parse_space({"per_device_train_batch_size": [4, 8, 16], "gradient_accumulation_steps": [1, 4],
                          "precision": precisions, "torch_compile": ["off", "inductor"], **more})

@@ -3,7 +3,7 @@
 Compilation and accumulation multiply throughput and cost a probe many times over, so per second
 they rank late, and a run that explores until its end never gets to them. The most promising
 variants of the incumbent and of the best configuration with and without checkpointing (one
-polishing dimension changed: another compile mode, or another accumulation), and the model's own pick
+polishing dimension changed: another compile mode, or more accumulation), and the model's own pick
 (:func:`models_pick`, which combines factors measured apart), keep their time to the end.
 """
 
@@ -60,7 +60,7 @@ def polish_reserve(context: Context, state: SearchState, feasible: list[Configur
     for base in bases:
         variants: list[tuple[str, dict[str, Any]]] = [("torch_compile", {"torch_compile": m}) for m in grid.values["torch_compile"] if m != base.torch_compile]
         if ACCUM in grid.names:
-            variants += [(ACCUM, {ACCUM: a}) for a in grid.values[ACCUM] if a != base.gradient_accumulation_steps]
+            variants += [(ACCUM, {ACCUM: a}) for a in grid.values[ACCUM] if a > base.gradient_accumulation_steps]
         for dim, changes in variants:
             index = grid.flat_index(state.space.with_changes(base, **changes))
             if index is None or not flat["allowed"][index]:
