@@ -227,6 +227,27 @@ def test_a_crash_is_evidence_about_its_value_elsewhere_confirmed_in_another_cont
     assert _p_ok(confirmed, grid, precision="bf16", attn_implementation="flash_attention_2") < 0.2
 
 
+def test_a_value_every_configuration_holds_is_no_suspect() -> None:
+    # Nothing ran yet: eight frugal probes (adafactor, checkpointing, uncompiled) crashed with one of
+    # three attention kernels and four precisions (held-out draw 2600033: flash, sdpa, bf16 and tf32
+    # crash on a pre-Ampere card). Liger kernels, sharding and the loader's flags have one value in
+    # this space: blaming them would say nothing runs anywhere, and they took the enumeration's first
+    # places from the attention kernels. A configuration that shares none of the frugal values keeps
+    # a fair chance to run (0.21 when the one-valued settings were suspects).
+    grid = Grid(parse_space({
+        "per_device_train_batch_size": [1, 8], "precision": ["fp32", "fp16", "bf16", "tf32"], "optim": ["adamw_torch_fused", "adafactor"],
+        "torch_compile": ["off", "inductor"], "attn_implementation": ["eager", "sdpa", "flash_attention_2"],
+        "gradient_checkpointing": [False, True], "dataloader_num_workers": [0, 2]}))
+    frugal = {"per_device_train_batch_size": 1, "optim": "adafactor", "gradient_checkpointing": True}
+    crashed = [("flash_attention_2", "fp16", 0), ("flash_attention_2", "fp32", 0), ("sdpa", "fp16", 0), ("sdpa", "fp32", 0),
+               ("eager", "bf16", 0), ("eager", "tf32", 0), ("flash_attention_2", "bf16", 2), ("sdpa", "tf32", 2)]
+    history = [_probe(i, "crash", attn_implementation=a, precision=p, dataloader_num_workers=w, **frugal) for i, (a, p, w) in enumerate(crashed)]
+    model = FailureModel.from_history(grid, history)
+    one_valued = {n for n in grid.names if len(grid.values[n]) == 1}
+    assert one_valued and not any(value[0] in one_valued for cause in model.cause_probability() for value in cause)
+    assert _p_ok(model, grid, per_device_train_batch_size=8, precision="fp16", attn_implementation="eager", torch_compile="inductor") > 0.3
+
+
 def test_a_crash_of_values_that_ran_elsewhere_is_blamed_on_their_pair() -> None:
     grid = _grid()
     history = [_probe(0, "ok", precision="bf16"), _probe(1, "ok", torch_compile="inductor"),

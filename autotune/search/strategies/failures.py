@@ -88,7 +88,7 @@ Cause = tuple[Value, ...]  # one value, or two
 class FailureModel:
     """Cleared values and pairs, and the suspects of every failure so far."""
 
-    dims: tuple[str, ...]  # the grid's free dimensions but batch size
+    dims: tuple[str, ...]  # the grid's dimensions that hold a choice, but batch size: a value every configuration holds is no suspect
     kind: Kind = CRASH
     cleared_values: set[Value] = field(default_factory=set)
     cleared_pairs: set[Pair] = field(default_factory=set)
@@ -96,7 +96,7 @@ class FailureModel:
 
     @classmethod
     def from_history(cls, grid: Grid, history: Iterable[Probe], kind: Kind = CRASH) -> FailureModel:
-        model = cls(tuple(n for n in grid.names if n != BATCH), kind)
+        model = cls(tuple(n for n in grid.names if n != BATCH and len(grid.values[n]) > 1), kind)
         for probe in history:
             if probe.result.status in kind.cleared_by:
                 model.cleared_values.update(model.values_of(probe.params))
