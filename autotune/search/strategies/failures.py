@@ -8,6 +8,8 @@ its lone suspect likely, not certain; a second in another context makes it near 
 configuration holding every suspect of a failure is never run. Compile modes share one more cause,
 compilation itself (:data:`COMPILED`), until a compiled probe runs. Crashes and divergences are two
 :data:`KINDS`: an out-of-memory or a divergence got past start-up, so it clears crash suspicion only.
+Batch size (its failures are out-of-memory) and a value every configuration holds are no suspects;
+pairs form among the dimensions that select code paths (:data:`PAIR_DIMS`) and the user's own fields.
 """
 
 from __future__ import annotations
