@@ -321,3 +321,31 @@ def test_a_16_bit_format_that_failed_once_is_measured_once_more_in_a_context_its
     again = Probe(5, proposal, ProbeResult(status="diverged"))
     after = BayesStrategy().propose(_precision_state([*history, again], ["fp32", "fp16", "bf16"], **optims))
     assert after is None or after.precision != "fp16"
+
+
+def test_a_question_near_the_incumbent_waits_for_the_polishing_time_it_would_eat_into() -> None:
+    # A compiled incumbent; the loader's workers and accumulation were never changed next to it (two
+    # compiled questions), and its max-autotune and accumulation variants keep their polishing time.
+    # Where a question and that time no longer both fit in what is left, the polishing probe goes
+    # first (the question may follow in what it leaves); where both fit, the question goes first.
+    from autotune.search.strategies.bayes import questions
+
+    space = parse_space({"per_device_train_batch_size": [8, 16, 32], "gradient_accumulation_steps": [1, 4], "precision": ["fp32", "bf16"],
+                         "torch_compile": ["off", "inductor", "inductor:max-autotune"], "dataloader_num_workers": [2, 8]})
+    incumbent = {"precision": "bf16", "per_device_train_batch_size": 32, "dataloader_num_workers": 2}
+    history = [_ok(0, 50.0, dataloader_num_workers=2), _ok(1, 100.0, **incumbent),
+               _ok(2, 130.0, wall_s=150.0, torch_compile="inductor", **incumbent), _ok(3, 90.0, **{**incumbent, "per_device_train_batch_size": 16})]
+    memory = MemoryModel()
+    memory.observe_all((p.params, p.result) for p in history)
+    strategy, state, context, model, cost_ok, allowed, evidence = _polish_inputs(space, history, memory)
+    feasible = state.feasible()
+    reserve, _, order = polish.polish_reserve(context, state, feasible, model, np.ones(context.grid.shape), cost_ok, allowed, evidence, 1800.0)
+    question, question_s, asking_s = questions.coverage_question(context, state, feasible, allowed, cost_ok, 1800.0)
+    assert order and question is not None and asking_s > question_s > 0 and context.grid.flat_index(question) not in order
+
+    def proposal(remaining_s: float) -> TrialParams | None:
+        return strategy.propose(SearchState(space, 40 * GiB, memory, history, {p.params.key() for p in history}, remaining_s))
+
+    both = reserve + question_s + 1.0  # due (the questions and the polishing take more than is left), and both fit
+    assert both <= reserve + asking_s and proposal(both) == question
+    assert proposal(reserve + question_s - 1.0) == context.grid.params_at(order[0])
