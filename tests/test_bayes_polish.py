@@ -13,7 +13,7 @@ from autotune.search.strategies.base import SearchState
 from autotune.search.strategies.bayes import polish, throughput
 from autotune.search.strategies.bayes.cost import probe_costs
 from autotune.search.strategies.bayes.groups import MemoryEvidence
-from autotune.search.strategies.bayes.polish import POLISH_PROBES, POLISH_SHARE
+from autotune.search.strategies.bayes.polish import POLISH_MARGIN, POLISH_PROBES, POLISH_SHARE
 from autotune.search.strategies.bayes.strategy import BayesStrategy
 from autotune.space import SearchSpace, parse_space
 from tests.conftest import GiB
@@ -323,11 +323,12 @@ def test_a_16_bit_format_that_failed_once_is_measured_once_more_in_a_context_its
     assert after is None or after.precision != "fp16"
 
 
-def test_a_question_near_the_incumbent_waits_for_the_polishing_time_it_would_eat_into() -> None:
+
+def test_a_question_near_the_incumbent_waits_for_the_most_valuable_polishing_probe_it_would_crowd_out() -> None:
     # A compiled incumbent; the loader's workers and accumulation were never changed next to it (two
     # compiled questions), and its max-autotune and accumulation variants keep their polishing time.
-    # Where a question and that time no longer both fit in what is left, the polishing probe goes
-    # first (the question may follow in what it leaves); where both fit, the question goes first.
+    # Where a question would leave too little time for the most valuable polishing probe, that probe
+    # goes first (the question may follow in what it leaves); where both fit, the question goes first.
     from autotune.search.strategies.bayes import questions
 
     space = parse_space({"per_device_train_batch_size": [8, 16, 32], "gradient_accumulation_steps": [1, 4], "precision": ["fp32", "bf16"],
@@ -342,10 +343,12 @@ def test_a_question_near_the_incumbent_waits_for_the_polishing_time_it_would_eat
     reserve, _, order = polish.polish_reserve(context, state, feasible, model, np.ones(context.grid.shape), cost_ok, allowed, evidence, 1800.0)
     question, question_s, asking_s = questions.coverage_question(context, state, feasible, allowed, cost_ok, 1800.0)
     assert order and question is not None and asking_s > question_s > 0 and context.grid.flat_index(question) not in order
+    first_s = POLISH_MARGIN * float(np.broadcast_to(cost_ok, context.grid.shape).reshape(-1)[order[0]])
 
     def proposal(remaining_s: float) -> TrialParams | None:
         return strategy.propose(SearchState(space, 40 * GiB, memory, history, {p.params.key() for p in history}, remaining_s))
 
-    both = reserve + question_s + 1.0  # due (the questions and the polishing take more than is left), and both fit
-    assert both <= reserve + asking_s and proposal(both) == question
-    assert proposal(reserve + question_s - 1.0) == context.grid.params_at(order[0])
+    both = question_s + first_s + 1.0
+    assert both <= reserve + asking_s  # due: the questions and the polishing take more than is left
+    assert proposal(both) == question
+    assert proposal(question_s + first_s - 1.0) == context.grid.params_at(order[0])

@@ -103,13 +103,14 @@ class BayesStrategy(Strategy):
             # A probe that would eat into the time kept for polishing is not started.
             reserve, polishing, order = polish.polish_reserve(context, state, feasible, (mean, sd), p_ok, cost_ok, allowed, evidence, self._budget_s)
             # Every dimension asked once near the incumbent, cheapest first: its time is kept like
-            # polishing's, and it is asked at once where precisions tie. Once due, a question that would
-            # eat into the polishing time waits for the polishing probes (not where precisions tie:
-            # then the loader, not the compile mode, is the likelier limit).
+            # polishing's, and it is asked at once where precisions tie. Once due, a question that
+            # would leave no time for the most valuable polishing probe waits for it (not where
+            # precisions tie: then the loader, not the compile mode, is the likelier limit).
             tie = coverage.tie_across_precisions(feasible)
             question, question_s, asking_s = questions.coverage_question(context, state, feasible, allowed, cost_ok, self._budget_s, loader_first=tie)
             due = tie or asking_s + reserve + state.kept_s >= state.remaining_s
-            if question is not None and due and question_s + (0.0 if tie else reserve) + state.kept_s <= state.remaining_s:  # not the near-ties' time
+            first_s = 0.0 if tie or not order else polish.POLISH_MARGIN * float(np.broadcast_to(cost_ok, grid.shape).reshape(-1)[order[0]])
+            if question is not None and due and question_s + first_s + state.kept_s <= state.remaining_s:  # not the near-ties' time
                 return question
             reserve += asking_s
             if order and reserve >= state.remaining_s:
