@@ -323,7 +323,6 @@ def test_a_16_bit_format_that_failed_once_is_measured_once_more_in_a_context_its
     assert after is None or after.precision != "fp16"
 
 
-
 def test_a_question_near_the_incumbent_waits_for_the_most_valuable_polishing_probe_it_would_crowd_out() -> None:
     # A compiled incumbent; the loader's workers and accumulation were never changed next to it (two
     # compiled questions), and its max-autotune and accumulation variants keep their polishing time.
