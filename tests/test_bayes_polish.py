@@ -13,7 +13,7 @@ from autotune.search.strategies.base import SearchState
 from autotune.search.strategies.bayes import polish, throughput
 from autotune.search.strategies.bayes.cost import probe_costs
 from autotune.search.strategies.bayes.groups import MemoryEvidence
-from autotune.search.strategies.bayes.polish import POLISH_MARGIN, POLISH_PROBES, POLISH_SHARE
+from autotune.search.strategies.bayes.polish import POLISH_PROBES, POLISH_SHARE
 from autotune.search.strategies.bayes.strategy import BayesStrategy
 from autotune.space import SearchSpace, parse_space
 from tests.conftest import GiB
@@ -342,7 +342,7 @@ def test_a_question_near_the_incumbent_waits_for_the_most_valuable_polishing_pro
     reserve, _, order = polish.polish_reserve(context, state, feasible, model, np.ones(context.grid.shape), cost_ok, allowed, evidence, 1800.0)
     question, question_s, asking_s = questions.coverage_question(context, state, feasible, allowed, cost_ok, 1800.0)
     assert order and question is not None and asking_s > question_s > 0 and context.grid.flat_index(question) not in order
-    first_s = POLISH_MARGIN * float(np.broadcast_to(cost_ok, context.grid.shape).reshape(-1)[order[0]])
+    first_s = polish.kept_s(float(np.broadcast_to(cost_ok, context.grid.shape).reshape(-1)[order[0]]))
 
     def proposal(remaining_s: float) -> TrialParams | None:
         return strategy.propose(SearchState(space, 40 * GiB, memory, history, {p.params.key() for p in history}, remaining_s))

@@ -29,6 +29,11 @@ POLISH_MARGIN = 1.3  # their predicted cost is a guess until their compile mode 
 POLISH_SHARE = 0.5  # at most this share of the run's budget is kept for polishing
 
 
+def kept_s(cost_s: float) -> float:
+    """The seconds a polishing probe of this predicted cost keeps (:data:`POLISH_MARGIN` more)."""
+    return POLISH_MARGIN * cost_s
+
+
 def polish_reserve(context: Context, state: SearchState, feasible: list[Configuration], model: tuple[np.ndarray, np.ndarray],
                    p_ok: np.ndarray, cost_ok: np.ndarray, allowed: np.ndarray, evidence: MemoryEvidence,
                    budget_s: float) -> tuple[float, np.ndarray, list[int]]:
@@ -82,10 +87,10 @@ def polish_reserve(context: Context, state: SearchState, feasible: list[Configur
             questions.add(question)
             candidates.append((cost, index))
     for cost, index in candidates[:POLISH_PROBES]:
-        if reserve + POLISH_MARGIN * cost <= most and cost <= (state.remaining_s or math.inf):
+        if reserve + kept_s(cost) <= most and cost <= (state.remaining_s or math.inf):
             keep[index] = True
             order.append(index)
-            reserve += POLISH_MARGIN * cost
+            reserve += kept_s(cost)
     return reserve, keep.reshape(grid.shape), order
 
 
