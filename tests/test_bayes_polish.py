@@ -200,6 +200,24 @@ def _compile_cost(history: list[Probe], space: dict | None = None, **values) -> 
     return float(cost_ok.reshape(-1)[context.grid.flat_index(state.space.complete(dict(torch_compile="inductor", precision="bf16", **values)))])
 
 
+def test_a_compiled_probe_that_fails_costs_its_whole_compilation() -> None:
+    """An out-of-memory step comes after the compilation: on an H100 and an H200 a compiled probe out
+    of memory took as long as its compilation or longer. A failed compiled probe is charged the
+    compilation its mode measured (40 s here), not half of it; an uncompiled one only start-up and a step."""
+    strategy = BayesStrategy()
+    history = [_ok(0, 50.0), _compiled(1, 40.0, per_device_train_batch_size=16)]
+    state = _state(history, 3600.0)
+    context = strategy.context(state)
+    mean, _ = throughput.posterior(context, [p for p in history if p.result.ok])
+    _, cost_fail = probe_costs(context, history, mean)
+
+    def fail_s(**values) -> float:
+        return float(cost_fail.reshape(-1)[context.grid.flat_index(state.space.complete(dict(precision="bf16", per_device_train_batch_size=32, **values)))])
+
+    assert 38.0 < fail_s(torch_compile="inductor") - fail_s(torch_compile="off") < 42.0
+    assert fail_s(torch_compile="off") < 10.0 + 5.0  # start-up (10 s) and a step
+
+
 def test_a_graph_compiled_before_costs_what_recompiling_measured() -> None:
     """Inductor's cache serves a graph compiled before in the run (the optimizer, accumulation and
     loader are not part of it): on an H100 ~10 s against ~30-42 s the first time. Until a second

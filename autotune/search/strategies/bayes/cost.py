@@ -21,8 +21,8 @@ WINDOW_PRIOR = (20.0, 8.0)  # measured window: at least this many seconds, or th
 
 
 def probe_costs(context: Context, history: list[Probe], mean: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Seconds a probe takes if it runs, and if it fails early (start-up, half the compilation, a
-    step), on the grid; ``mean`` is the expected log samples/s."""
+    """Seconds a probe takes if it runs, and if it fails (start-up, the compilation, a step: an
+    out-of-memory step comes after compiling), on the grid; ``mean`` is the expected log samples/s."""
     grid = context.grid
     setups = [p.result.setup_s for p in history if p.result.setup_s]
     startup = statistics.median(setups) if setups else STARTUP_PRIOR_S
@@ -88,5 +88,7 @@ def probe_costs(context: Context, history: list[Probe], mean: np.ndarray) -> tup
         compile_grid = np.where(seen, grid.along(("torch_compile", *cache_dims), again), compile_grid)
     step_s = context.accum_values * context.batch_values / np.exp(mean)
     cost_ok = startup + compile_grid + WARMUP_STEPS * step_s + np.maximum(window_s, window_steps * step_s)
-    cost_fail = startup + 0.5 * compile_grid + step_s / np.maximum(context.accum_values, 1.0)
+    # A compiled probe out of memory compiled first (polyglot-ko-1.3b: 74 s on an H100 and 49 s on an H200,
+    # where compiling took 64 and 63 s), as the learning above reads a failed compiled probe's time.
+    cost_fail = startup + compile_grid + step_s / np.maximum(context.accum_values, 1.0)
     return np.broadcast_to(cost_ok, grid.shape), np.broadcast_to(cost_fail, grid.shape)
