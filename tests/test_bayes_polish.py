@@ -201,9 +201,10 @@ def _compile_cost(history: list[Probe], space: dict | None = None, **values) -> 
 
 
 def test_a_compiled_probe_that_fails_costs_its_whole_compilation() -> None:
-    """An out-of-memory step comes after the compilation: on an H100 and an H200 a compiled probe out
-    of memory took as long as its compilation or longer. A failed compiled probe is charged the
-    compilation its mode measured (40 s here), not half of it; an uncompiled one only start-up and a step."""
+    """An out-of-memory step comes after the compilation: polyglot-ko-1.3b compiled ran out of memory
+    after 74 s on an H100 and 49 s on an H200, where compiling took 64 and 63 s. A failed compiled probe
+    is charged the compilation its mode measured (40 s here), not half of it; an uncompiled one only
+    start-up and a step."""
     strategy = BayesStrategy()
     history = [_ok(0, 50.0), _compiled(1, 40.0, per_device_train_batch_size=16)]
     state = _state(history, 3600.0)
