@@ -361,7 +361,7 @@ def test_a_question_near_the_incumbent_waits_for_the_most_valuable_polishing_pro
     reserve, _, order = polish.polish_reserve(context, state, feasible, model, np.ones(context.grid.shape), cost_ok, allowed, evidence, 1800.0)
     question, question_s, asking_s = questions.coverage_question(context, state, feasible, allowed, cost_ok, 1800.0)
     assert order and question is not None and asking_s > question_s > 0 and context.grid.flat_index(question) not in order
-    first_s = polish.kept_s(float(np.broadcast_to(cost_ok, context.grid.shape).reshape(-1)[order[0]]))
+    first_s = polish.kept_s(float(cost_ok.flat[order[0]]))
 
     def proposal(remaining_s: float) -> TrialParams | None:
         return strategy.propose(SearchState(space, 40 * GiB, memory, history, {p.params.key() for p in history}, remaining_s))

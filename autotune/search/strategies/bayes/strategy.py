@@ -109,7 +109,7 @@ class BayesStrategy(Strategy):
             tie = coverage.tie_across_precisions(feasible)
             question, question_s, asking_s = questions.coverage_question(context, state, feasible, allowed, cost_ok, self._budget_s, loader_first=tie)
             due = tie or asking_s + reserve + state.kept_s >= state.remaining_s
-            first_s = 0.0 if tie or not order else polish.kept_s(float(np.broadcast_to(cost_ok, grid.shape).reshape(-1)[order[0]]))
+            first_s = 0.0 if tie or not order else polish.kept_s(float(cost_ok.flat[order[0]]))
             if question is not None and due and question_s + first_s + state.kept_s <= state.remaining_s:  # not the near-ties' time
                 return question
             reserve += asking_s
