@@ -352,10 +352,8 @@ def test_bayes_counts_accumulation_as_needing_no_less_memory() -> None:
 # Tables recorded on an H100 (pythia-160m seq 128, 9 GiB probe ceiling), each searched for a third
 # of its probe time, as the GPU phase's protocol asks:
 # - checkpointing off: batch 64 runs out of memory uncompiled and fits compiled at 2.2x-3x the speed
-#   of any batch-8 configuration. Measured against the best uncompiled configuration (batch 8),
-#   uncompiled batch-8 variants kept their expected improvement and took the budget (0.889 in every
-#   seed); against the incumbent's uncompiled self they have none. Accumulating 2 at batch 64 ran
-#   out of memory where 1 fits.
+#   of any batch-8 configuration, so batch-8 variants must not take the budget from compiling.
+#   Accumulating 2 at batch 64 ran out of memory where 1 fits.
 # - loader workers 0, compile and checkpointing both in: compiled, checkpointing costs 0.96x at batch
 #   64 and cuts the peak to 0.71x, so the best checkpointed configuration (1955 samples/s) is close
 #   to the best one (2203, without checkpointing, which fits at batch 64 only compiled); TPE's worst

@@ -30,7 +30,6 @@ class Context:
     groups: Groups
     batch_values: np.ndarray  # grid-broadcastable
     accum_values: np.ndarray  # grid-broadcastable (derived from the batch under a fixed effective batch size)
-    compile_values: np.ndarray  # grid-broadcastable
     other_axes: tuple[int, ...]  # the grid axes that are not memory-group dimensions
     lines: dict[int, tuple[float, float] | None] = field(default_factory=dict)  # per group, for one history length
     lines_at: int = -1
@@ -56,8 +55,7 @@ class Context:
         surrogate = step_time_surrogate(grid, accum_dims, accum_values, accum_of, batch_values, accum_grid)
         groups = Groups.of(grid)
         other_axes = tuple(i for i, n in enumerate(grid.names) if n not in groups.dims)
-        compile_values = np.array(grid.values["torch_compile"], dtype=object).reshape(grid.broadcast_shape(("torch_compile",)))
-        context = cls(grid, surrogate, groups, batch_values, accum_grid, compile_values, other_axes)
+        context = cls(grid, surrogate, groups, batch_values, accum_grid, other_axes)
         if CAP in surrogate.names:
             context.cap = surrogate.index_of(CAP)
         for name, values in space.reference_values.items():

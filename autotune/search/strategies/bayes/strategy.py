@@ -98,7 +98,7 @@ class BayesStrategy(Strategy):
         sibling = questions.precision_sibling(context, state, feasible, allowed, history, p_ok, mean, evidence)
         if sibling is not None:
             return grid.params_at(sibling)
-        gain = throughput.gain(context, feasible, mean, sd, allowed)
+        gain = throughput.gain(feasible, mean, sd, allowed)
         if state.remaining_s is not None:
             # A probe that would eat into the time kept for polishing is not started.
             reserve, polishing, order = polish.polish_reserve(context, state, feasible, (mean, sd), p_ok, cost_ok, allowed, evidence, self._budget_s)

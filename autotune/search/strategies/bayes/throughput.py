@@ -69,27 +69,11 @@ def posterior(context: Context, ran: list[Probe], pending: Iterable[TrialParams]
     return mean, np.maximum(sd, np.float32(MIN_SD))
 
 
-def gain(context: Context, feasible: list[Configuration], mean: np.ndarray, sd: np.ndarray, allowed: np.ndarray) -> np.ndarray:
-    """Expected improvement (log samples/s) over the incumbent."""
-    grid = context.grid
+def gain(feasible: list[Configuration], mean: np.ndarray, sd: np.ndarray, allowed: np.ndarray) -> np.ndarray:
+    """Expected improvement (log samples/s) over the incumbent, beyond a probe's noise."""
     if not feasible:
         # Nothing fits yet: what runs at all matters most (it clears its values of suspicion and
         # gives the memory model its scale); among those, mildly prefer the fast.
         top = float(mean[allowed].max()) if allowed.any() else 0.0
         return np.exp(NOTHING_YET_SPEED_WEIGHT * (mean - top))
-    # Improvements within a probe's noise are not worth a probe: count only those beyond it.
-    # Compilation multiplies throughput by a factor of its own, so an uncompiled configuration that
-    # beats the incumbent's uncompiled self will beat the incumbent once compiled: it is measured
-    # against that, at a fraction of the cost of compiling every candidate. The incumbent's
-    # uncompiled self is the best uncompiled configuration measured, or, where higher, the incumbent
-    # less the compile effect the model expects for it (compiled, a batch can fit that does not uncompiled).
-    best_all = math.log(feasible[0].mean_samples_per_s) + MIN_GAIN
-    plain = [c for c in feasible if c.params.torch_compile == "off"]
-    best_plain = math.log(plain[0].mean_samples_per_s) + MIN_GAIN if plain else best_all
-    incumbent = feasible[0].params
-    here, uncompiled = grid.flat_index(incumbent), grid.flat_index(incumbent.replace(torch_compile="off"))
-    if plain and here is not None and uncompiled is not None and here != uncompiled:
-        flat_mean = np.broadcast_to(mean, grid.shape).reshape(-1)
-        best_plain = max(best_plain, best_all - max(float(flat_mean[here] - flat_mean[uncompiled]), 0.0))
-    best = np.where(context.compile_values == "off", best_plain, best_all).astype(np.float32)
-    return expected_improvement(mean, sd, best)
+    return expected_improvement(mean, sd, np.float32(math.log(feasible[0].mean_samples_per_s) + MIN_GAIN))
