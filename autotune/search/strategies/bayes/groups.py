@@ -124,7 +124,6 @@ class MemoryEvidence:
     """
 
     fits: dict[int, dict[int, int]]  # group -> batch index -> measured peak
-    ooms: list[tuple[int, int]]  # (group, batch index) out of memory
     over: list[tuple[int, int]]  # (group, batch index) out of memory or measured over the ceiling
     ruled_out: np.ndarray  # groups x accumulations x batches
     known_fit: np.ndarray
@@ -134,7 +133,6 @@ class MemoryEvidence:
         batches = list(grid.values[BATCH])
         accums: list[int] = list(grid.values[ACCUM]) if ACCUM in grid.names else [1]
         fits: dict[int, dict[int, int]] = {}
-        ooms: list[tuple[int, int]] = []
         over: list[tuple[int, int]] = []
         ruled_out = np.zeros((len(groups.codes), len(accums), len(batches)), dtype=bool)
         known_fit = np.zeros_like(ruled_out)
@@ -144,20 +142,18 @@ class MemoryEvidence:
                 continue
             group = groups.index(probe.params, grid)
             j = batches.index(batch)
-            if probe.result.status is ProbeStatus.OOM:
-                ooms.append((group, j))
-                over.append((group, j))
-                ruled_out[groups.needing_no_less_than(group)] |= _cells(accums, batches, batch, accum, no_less=True)
-            elif probe.result.ok and probe.result.peak_mem_bytes is not None:
+            if probe.result.ok and probe.result.peak_mem_bytes is not None:
                 peak = int(probe.result.peak_mem_bytes)
                 mine = fits.setdefault(group, {})
                 mine[j] = max(mine.get(j, 0), peak)
-                if peak > ceiling:
-                    over.append((group, j))
-                    ruled_out[groups.needing_no_less_than(group)] |= _cells(accums, batches, batch, accum, no_less=True)
-                else:
+                if peak <= ceiling:
                     known_fit[groups.needing_no_more_than(group)] |= _cells(accums, batches, batch, accum, no_less=False)
-        return cls(fits, ooms, over, ruled_out & ~known_fit, known_fit)
+                    continue
+            elif probe.result.status is not ProbeStatus.OOM:
+                continue
+            over.append((group, j))  # out of memory, or measured over the ceiling
+            ruled_out[groups.needing_no_less_than(group)] |= _cells(accums, batches, batch, accum, no_less=True)
+        return cls(fits, over, ruled_out & ~known_fit, known_fit)
 
     @staticmethod
     def cell(grid: Grid, params: TrialParams) -> tuple[int, int]:

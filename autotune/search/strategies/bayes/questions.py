@@ -37,7 +37,6 @@ def coverage_question(context: Context, state: SearchState, feasible: list[Confi
     grid = context.grid
     incumbent = feasible[0].params
     flat_allowed = allowed.reshape(-1)
-    flat_cost = np.broadcast_to(cost_ok, grid.shape).reshape(-1)
     questions: list[tuple[float, int, TrialParams]] = []
     evidence: MemoryEvidence | None = None
     for rank, dimension in enumerate(coverage.unasked(state.space, incumbent, state.history)):
@@ -51,7 +50,7 @@ def coverage_question(context: Context, state: SearchState, feasible: list[Confi
                 variant = likely_batch(context, state, evidence, variant) or variant
             index = grid.flat_index(variant)
             if index is not None and flat_allowed[index] and state.memory.prune_reason(variant, state.ceiling_bytes) is None:
-                questions.append((float(flat_cost[index]), rank, variant))
+                questions.append((float(cost_ok.flat[index]), rank, variant))
                 break
     if not questions:
         return None, 0.0, 0.0
