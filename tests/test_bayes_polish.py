@@ -275,29 +275,6 @@ def test_the_time_kept_for_near_ties_is_left_by_exploring_probes_not_by_polishin
     assert proposal is not None and polishes
 
 
-def test_no_two_polishing_probes_ask_the_same_question_with_another_loader_worker_count(monkeypatch) -> None:
-    # The model's pick (worth most) is the incumbent's accumulation variant with another loader
-    # worker count: one question twice. It keeps its time once, and the compile mode's variant
-    # keeps its own.
-    space = parse_space({"per_device_train_batch_size": [16, 32], "gradient_accumulation_steps": [1, 4], "precision": ["bf16"],
-                         "torch_compile": ["off", "inductor", "inductor:max-autotune"], "dataloader_num_workers": [2, 4]})
-    incumbent = {"precision": "bf16", "per_device_train_batch_size": 32, "torch_compile": "inductor", "dataloader_num_workers": 2}
-    history = [_ok(0, 100.0, precision="bf16", per_device_train_batch_size=32, dataloader_num_workers=2),
-               _ok(1, 120.0, wall_s=120.0, **incumbent), _ok(2, 90.0, precision="bf16", per_device_train_batch_size=16, dataloader_num_workers=2)]
-    memory = MemoryModel()
-    memory.observe_all((p.params, p.result) for p in history)
-    strategy, state, context, model, cost_ok, allowed, evidence = _polish_inputs(space, history, memory)
-    grid = context.grid
-    accumulating = history[1].params.replace(gradient_accumulation_steps=4)
-    twin = grid.flat_index(accumulating.replace(dataloader_num_workers=4))
-    monkeypatch.setattr(polish, "models_pick", lambda *args, **kwargs: (1.0, twin))
-    _, _, order = polish.polish_reserve(context, state, state.feasible(), model, np.ones(grid.shape), cost_ok, allowed, evidence, 1800.0)
-    questions = [grid.params_at(i).replace(dataloader_num_workers=0) for i in order]
-    assert len(questions) == len(set(questions))
-    assert order[0] == twin and grid.flat_index(accumulating) not in order
-    assert any(grid.params_at(i).torch_compile == "inductor:max-autotune" for i in order)
-
-
 def _precision_state(history: list[Probe], precisions: list[str], **more: list) -> SearchState:
     space = parse_space({"per_device_train_batch_size": [4, 8, 16], "gradient_accumulation_steps": [1, 4],
                          "precision": precisions, "torch_compile": ["off", "inductor"], **more})

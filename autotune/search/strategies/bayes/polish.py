@@ -14,11 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from autotune.params import TrialParams
 from autotune.search.ranking import Configuration
 from autotune.search.strategies.base import SearchState
 from autotune.search.strategies.bayes.context import Context
-from autotune.search.strategies.bayes.features import WORKERS
 from autotune.search.strategies.bayes.fit import best_over_groups
 from autotune.search.strategies.bayes.groups import MemoryEvidence
 from autotune.search.strategies.bayes.throughput import MIN_GAIN
@@ -43,8 +41,8 @@ def polish_reserve(context: Context, state: SearchState, feasible: list[Configur
     The best variant per polishing dimension and the model's pick keep their time, the one worth
     most first, its worth P(runs) x its expected improvement over the incumbent (for the model's
     pick x P(fits)), per probe, not per second (the time is kept for them anyway), at their predicted
-    cost, at most :data:`POLISH_PROBES` of them and :data:`POLISH_SHARE` of ``budget_s``; two that
-    differ only in the loader's workers ask one question and keep time once.
+    cost, at most :data:`POLISH_PROBES` of them and :data:`POLISH_SHARE` of ``budget_s`` (a
+    configuration that is both keeps its time once).
     """
     grid = context.grid
     if not feasible:
@@ -79,13 +77,7 @@ def polish_reserve(context: Context, state: SearchState, feasible: list[Configur
     most = POLISH_SHARE * budget_s if budget_s > 0 else math.inf
     keep = np.zeros(grid.size, dtype=bool)
     reserve, order = 0.0, []
-    candidates: list[tuple[float, int]] = []
-    questions: set[TrialParams] = set()
-    for _, cost, index in sorted(best_of.values(), reverse=True):
-        question = grid.params_at(index).replace(**{WORKERS: 0})
-        if question not in questions:
-            questions.add(question)
-            candidates.append((cost, index))
+    candidates = list(dict.fromkeys((cost, index) for _, cost, index in sorted(best_of.values(), reverse=True)))
     for cost, index in candidates[:POLISH_PROBES]:
         if reserve + kept_s(cost) <= most and cost <= (state.remaining_s or math.inf):
             keep[index] = True
