@@ -471,6 +471,30 @@ def test_bayes_learns_main_process_loading_from_throughput_where_probes_report_n
     assert at_64 > 60.0
 
 
+def test_the_loaders_scaling_between_two_measured_worker_counts_is_uncertain(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 2 workers load 30 samples/s (the loader binds), 8 run at compute's 100: how fast 4 load is not
+    # known, since workers past the host's free cores contend and the exponent between counts may differ.
+    from autotune.search.strategies.bayes import features
+
+    def sds() -> dict[int, float]:
+        fake = _LoaderBound()
+        history = [Probe(i, params, fake.evaluate(params, timeout_s=60.0)) for i, params in enumerate(
+            TrialParams(precision="bf16", per_device_train_batch_size=16, dataloader_num_workers=w) for w in (2, 8))]
+        memory = MemoryModel()
+        memory.observe_all((p.params, p.result) for p in history)
+        state = SearchState(parse_space(_LOADER_SPACE), 40 * GiB, memory, history, {p.params.key() for p in history}, remaining_s=3600.0)
+        context = BayesStrategy().context(state)
+        _, sd = throughput.posterior(context, history)
+        flat = np.broadcast_to(sd, context.grid.shape).reshape(-1)
+        return {w: float(flat[context.grid.flat_index(TrialParams(precision="bf16", per_device_train_batch_size=16, dataloader_num_workers=w))])
+                for w in (2, 4, 8)}
+
+    uncertain = sds()
+    assert uncertain[4] > 4 * max(uncertain[2], uncertain[8])
+    monkeypatch.setattr(features, "CAP_SLOPE_SD", 1e-4)  # the scaling's exponent taken as known
+    assert sds()[4] < 2 * uncertain[2]
+
+
 def test_bayes_learns_the_loaders_cap_from_throughput_where_probes_report_no_input_wait() -> None:
     # A replay table has no input wait: bf16 computes 100 samples/s, fp32 40, one loader worker
     # loads 15 (0 workers: serial with compute). With 2 workers both precisions measure 30, the
@@ -787,6 +811,32 @@ def test_every_dimension_is_asked_near_the_incumbent() -> None:
     tied = rank_configurations([ran(0, incumbent, 100.0), ran(3, incumbent.replace(precision="fp32"), 100.5)], 10)
     assert coverage.tie_across_precisions(tied)
     assert not coverage.tie_across_precisions(rank_configurations([ran(0, incumbent, 100.0), ran(3, incumbent.replace(precision="fp32"), 60.0)], 10))
+
+
+def test_loader_workers_are_asked_at_a_neighbouring_count() -> None:
+    """Workers past the host's free cores contend, so the throughput may peak inside the range: with
+    8 workers the incumbent, a probe with none does not say whether 4 would be faster; 4 is asked."""
+    from autotune.records import Probe, ProbeResult
+    from autotune.search.strategies import coverage
+    from autotune.space import parse_space
+
+    space = parse_space({"per_device_train_batch_size": [8, 16], "dataloader_num_workers": [0, 2, 4, 8], "optim": ["adamw_torch", "adamw_torch_fused"]})
+    incumbent = TrialParams(per_device_train_batch_size=16, dataloader_num_workers=8)
+
+    def ran(number: int, workers: int) -> Probe:
+        return Probe(number, incumbent.replace(dataloader_num_workers=workers), ProbeResult(status="ok", samples_per_s=10.0, peak_mem_bytes=1, wall_s=30.0))
+
+    first = TrialParams(per_device_train_batch_size=16, dataloader_num_workers=2)
+    assert [v.dataloader_num_workers for v in coverage.variants(space, first, "dataloader_num_workers", [])] == [8, 4, 0]  # nothing asked: the most first
+    history = [ran(0, 0), ran(1, 8)]
+    assert "dataloader_num_workers" in coverage.unasked(space, incumbent, history)
+    assert [v.dataloader_num_workers for v in coverage.variants(space, incumbent, "dataloader_num_workers", history)] == [4]
+    history.append(Probe(2, incumbent.replace(dataloader_num_workers=4, per_device_train_batch_size=8),
+                         ProbeResult(status="ok", samples_per_s=10.0, peak_mem_bytes=1, wall_s=30.0)))  # another batch: near enough
+    assert "dataloader_num_workers" not in coverage.unasked(space, incumbent, history)
+    middle = incumbent.replace(dataloader_num_workers=4)  # 4 won: 2 or 8, on either side, answers
+    assert "dataloader_num_workers" not in coverage.unasked(space, middle, history)
+    assert [v.dataloader_num_workers for v in coverage.variants(space, middle, "dataloader_num_workers", history)] == [8, 2]
 
 
 def test_a_users_own_config_field_is_asked_near_the_incumbent_too() -> None:

@@ -9,7 +9,7 @@ module says what is unasked and which variant asks it; the strategy decides when
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from autotune.params import TrialParams, mixed_precision_dtype
@@ -23,6 +23,9 @@ from autotune.space import SearchSpace
 DIMENSIONS = ("dataloader_num_workers", "gradient_accumulation_steps", "optim", "attn_implementation", "torch_compile",
               "gradient_checkpointing")
 _BATCH = "per_device_train_batch_size"
+# Workers past the host's free cores contend for them: throughput may peak inside the range of worker
+# counts, so once one count was asked, only a neighbour of the incumbent's count answers the question.
+_PEAKED = ("dataloader_num_workers",)
 
 
 def unasked(space: SearchSpace, incumbent: TrialParams, history: Iterable[Probe]) -> list[str]:
@@ -32,23 +35,43 @@ def unasked(space: SearchSpace, incumbent: TrialParams, history: Iterable[Probe]
     free = [d for d in (*DIMENSIONS, *space.config_fields) if d in space.free_params and len(space.choices[d]) > 1]
     base = incumbent.flat()
     asked: set[str] = set()
+    for name, value in _alone(incumbent, history):
+        if name not in _PEAKED or value in _neighbours(space.choices[name], base[name]):
+            asked.add(name)
+    return [d for d in free if d not in asked]
+
+
+def _alone(incumbent: TrialParams, history: Iterable[Probe]) -> list[tuple[str, Any]]:
+    """Per probe that differs from ``incumbent`` in one dimension alone (the batch size aside): that dimension and its value."""
+    base = incumbent.flat()
+    found = []
     for probe in history:
         other = probe.params.flat()
         differing = [name for name in base if name != _BATCH and other.get(name) != base[name]]
         if len(differing) == 1:
-            asked.add(differing[0])
-    return [d for d in free if d not in asked]
+            found.append((differing[0], other.get(differing[0])))
+    return found
 
 
-def variants(space: SearchSpace, incumbent: TrialParams, dimension: str) -> list[TrialParams]:
+def _neighbours(choices: Sequence[Any], value: Any) -> list[Any]:
+    """The values next to ``value`` in the sorted ``choices``, the larger first."""
+    ordered = sorted(choices)
+    i = ordered.index(value)
+    return [ordered[j] for j in (i + 1, i - 1) if 0 <= j < len(ordered)]
+
+
+def variants(space: SearchSpace, incumbent: TrialParams, dimension: str, history: Iterable[Probe] = ()) -> list[TrialParams]:
     """The incumbent with ``dimension`` changed, the most informative value first: the most loader
-    workers (a loader-bound run gains most there), the next accumulation up, the prior's order for
-    the optimizer and attention kernel, the next compile mode (uncompiled last), checkpointing flipped."""
+    workers (a loader-bound run gains most there; once a count was asked, its neighbours), the next
+    accumulation up, the prior's order for the optimizer and attention kernel, the next compile mode
+    (uncompiled last), checkpointing flipped."""
     current = getattr(incumbent, dimension)
     choices = [v for v in space.choices[dimension] if v != current]
-    if dimension in ("dataloader_num_workers", "gradient_accumulation_steps"):
+    if dimension in _PEAKED and any(name == dimension for name, _ in _alone(incumbent, history)):
+        ordered: list[Any] = _neighbours(space.choices[dimension], current)
+    elif dimension in ("dataloader_num_workers", "gradient_accumulation_steps"):
         up = sorted((v for v in choices if v > current), reverse=dimension == "dataloader_num_workers")
-        ordered: list[Any] = up + sorted((v for v in choices if v < current), reverse=True)
+        ordered = up + sorted((v for v in choices if v < current), reverse=True)
     elif dimension == "torch_compile":
         ordered = sorted(choices, key=lambda v: (v == "off", v))
     else:

@@ -185,9 +185,9 @@ class StepTimeSurrogate:
 
     def _binding_cap(self, rows: dict[str, np.ndarray], offsets: dict[str, np.ndarray], targets: np.ndarray) -> tuple[int, float] | None:
         """The cap's feature and its value where the cap meets the highest measurement it covers (``None``: no cap, or none covered)."""
-        if self.cap_offset is None or len(self.components[CAP]) != 1 or len(self.components[CAP][0].index) != 1:
+        if self.cap_offset is None or CAP not in self.names:
             return None
-        feature = int(self.components[CAP][0].index[0])
+        feature = self.index_of(CAP)
         covered = (rows[CAP][:, feature] > 0) & (offsets[CAP] < OFF)
         return (feature, float(np.max(targets[covered] - offsets[CAP][covered]))) if covered.any() else None
 

@@ -40,7 +40,8 @@ KINDS: dict[str, dict[str, tuple[Any, ...]]] = {
 _WITHIN_KIND_SD = 0.06
 _HINGES = (16.0, 32.0, 64.0)  # throughput may fall past these sizes
 # The loader, learnt from throughput (and from the input wait, where probes report it). Workers load
-# in parallel with compute: their rate, ``rate x workers^WORKER_SCALING``, caps the throughput (a soft
+# in parallel with compute: their rate, ``rate x workers^WORKER_SCALING`` (the exponent between two
+# neighbouring counts free to differ by CAP_SLOPE_SD), caps the throughput (a soft
 # minimum, :data:`~autotune.search.strategies.steptime.CAP`; its prior is set from the measurements:
 # one worker loads CAP_PRIOR[0] (log) above their median). Loading in the training process (0 workers)
 # is serial with compute: a part of the step's time, ``A x b / (rate x exp(loading))``, a priori
@@ -48,6 +49,7 @@ _HINGES = (16.0, 32.0, 64.0)  # throughput may fall past these sizes
 WORKER_SCALING = 0.9
 CAP_PRIOR = (math.log(2.0), 1.5)
 CAP_UNKNOWN = 30.0  # the cap's prior mean before anything was measured: none
+CAP_SLOPE_SD = 0.5  # workers past the host's free cores contend: more of them may load no faster, or slower
 LOADING = "loading"
 LOADING_SD = 0.5
 # A user-config field's effect on per-sample time (log): unknown before it is measured, and may be
@@ -170,6 +172,11 @@ def step_time_surrogate(grid: Grid, accum_dims: tuple[str, ...], accum_values: l
     if WORKERS in grid.names and len(grid.values[WORKERS]) > 1 and max(grid.values[WORKERS]) > 0:
         terms[CAP] = BlockBuilder(grid)
         terms[CAP].add((WORKERS,), [CAP], lambda v: [float(v[WORKERS] > 0)], CAP_UNKNOWN, CAP_PRIOR[1])
+        # The exponent's deviation between each two neighbouring worker counts: a random walk in log workers.
+        logs = [math.log(x) for x in sorted(grid.values[WORKERS]) if x > 0]
+        segments = list(zip(logs, logs[1:]))
+        terms[CAP].add((WORKERS,), [f"{CAP}:slope{k}" for k in range(len(segments))],
+                       lambda v: [max(0.0, min(math.log(v[WORKERS]), hi) - lo) if v[WORKERS] > 0 else 0.0 for lo, hi in segments], 0.0, CAP_SLOPE_SD)
         cap_offset = grid.along((WORKERS,), lambda **v: WORKER_SCALING * math.log(v[WORKERS]) if v[WORKERS] > 0 else OFF)
         if 0 in grid.values[WORKERS]:
             terms[LOADING] = BlockBuilder(grid)

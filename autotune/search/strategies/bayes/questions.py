@@ -40,7 +40,7 @@ def coverage_question(context: Context, state: SearchState, feasible: list[Confi
     questions: list[tuple[float, int, TrialParams]] = []
     evidence: MemoryEvidence | None = None
     for rank, dimension in enumerate(coverage.unasked(state.space, incumbent, state.history)):
-        for variant in coverage.variants(state.space, incumbent, dimension):
+        for variant in coverage.variants(state.space, incumbent, dimension, state.history):
             if dimension == "gradient_checkpointing" and variant.gradient_checkpointing:  # its point: a larger batch
                 evidence = evidence or MemoryEvidence.of(context.groups, grid, state.history, state.ceiling_bytes)
                 largest = state.space.with_changes(variant, per_device_train_batch_size=max(grid.values[BATCH]))
