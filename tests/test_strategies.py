@@ -407,6 +407,12 @@ _LOADER_SPACE = {"per_device_train_batch_size": [8, 16], "dataloader_num_workers
 def _loader_bound_model(workers: tuple[int, ...]) -> tuple[BayesStrategy, SearchState, Callable[[int], float]]:
     """bayes after probes of bf16 bs16 on :class:`_LoaderBound` with these worker counts: the
     strategy, its state, and its predicted samples/s for bf16 bs16 by worker count."""
+    strategy, state, posterior = _loader_bound_posterior(workers)
+    return strategy, state, lambda count: math.exp(posterior(count)[0])
+
+
+def _loader_bound_posterior(workers: tuple[int, ...]) -> tuple[BayesStrategy, SearchState, Callable[[int], tuple[float, float]]]:
+    """As :func:`_loader_bound_model`, with the posterior mean and sd of log samples/s by worker count."""
     fake = _LoaderBound()
     history = [Probe(i, params, fake.evaluate(params, timeout_s=60.0)) for i, params in enumerate(
         [TrialParams(precision="bf16", per_device_train_batch_size=16, dataloader_num_workers=w) for w in workers])]
@@ -415,13 +421,13 @@ def _loader_bound_model(workers: tuple[int, ...]) -> tuple[BayesStrategy, Search
     state = SearchState(parse_space(_LOADER_SPACE), 40 * GiB, memory, history, {p.params.key() for p in history}, remaining_s=3600.0)
     strategy = BayesStrategy()
     context = strategy.context(state)
-    mean, _ = throughput.posterior(context, history)
-    flat = np.broadcast_to(mean, context.grid.shape).reshape(-1)
+    mean, sd = (np.broadcast_to(a, context.grid.shape).reshape(-1) for a in throughput.posterior(context, history))
 
-    def predicted(count: int) -> float:
-        return float(np.exp(flat[context.grid.flat_index(TrialParams(precision="bf16", per_device_train_batch_size=16, dataloader_num_workers=count))]))
+    def posterior(count: int) -> tuple[float, float]:
+        index = context.grid.flat_index(TrialParams(precision="bf16", per_device_train_batch_size=16, dataloader_num_workers=count))
+        return float(mean[index]), float(sd[index])
 
-    return strategy, state, predicted
+    return strategy, state, posterior
 
 
 def test_bayes_judges_zero_workers_by_a_workers_rate_before_it_measured_them() -> None:
@@ -477,17 +483,8 @@ def test_the_loaders_scaling_between_two_measured_worker_counts_is_uncertain(mon
     from autotune.search.strategies.bayes import features
 
     def sds() -> dict[int, float]:
-        fake = _LoaderBound()
-        history = [Probe(i, params, fake.evaluate(params, timeout_s=60.0)) for i, params in enumerate(
-            TrialParams(precision="bf16", per_device_train_batch_size=16, dataloader_num_workers=w) for w in (2, 8))]
-        memory = MemoryModel()
-        memory.observe_all((p.params, p.result) for p in history)
-        state = SearchState(parse_space(_LOADER_SPACE), 40 * GiB, memory, history, {p.params.key() for p in history}, remaining_s=3600.0)
-        context = BayesStrategy().context(state)
-        _, sd = throughput.posterior(context, history)
-        flat = np.broadcast_to(sd, context.grid.shape).reshape(-1)
-        return {w: float(flat[context.grid.flat_index(TrialParams(precision="bf16", per_device_train_batch_size=16, dataloader_num_workers=w))])
-                for w in (2, 4, 8)}
+        posterior = _loader_bound_posterior((2, 8))[2]
+        return {w: posterior(w)[1] for w in (2, 4, 8)}
 
     uncertain = sds()
     assert uncertain[4] > 4 * max(uncertain[2], uncertain[8])
