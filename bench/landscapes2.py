@@ -89,7 +89,7 @@ RANGES = {"gen2-heldout": 0, "gen2-heldout2": 200_000, "gen2-heldout3": 400_000,
 # gen2-heldout13: spent on 2026-11-28 (e400d1b's figures, run once);
 # gen2-heldout14: spent on 2026-11-28 (2125cff's figures, run once, with 69606a6 for the before/after);
 # gen2-heldout15: spent on 2026-11-28 (92d525d's figures, run once, with 8377477 for the before/after); traced on 2026-11-29 (design data);
-# gen2-heldout16: spent on 2026-11-29 (2f9f5dc's figures, run once, with 69e21f2 for the before/after);
+# gen2-heldout16: spent on 2026-11-29 (2f9f5dc's figures, run once, with 69e21f2 for the before/after); traced after (design data);
 # gen2-heldout17: the next comparison (defined before any run)
 
 GRID: dict[str, tuple[Any, ...]] = {
