@@ -3,8 +3,9 @@
 A model learns only what was measured: where the loader sets the pace and no probe reports its input
 wait, every precision measures the same and nothing points to more workers. So each dimension of
 :data:`DIMENSIONS` is asked once near the incumbent: some probe differs from it in that dimension
-alone (the batch size aside), or the memory model and the failures rule every such variant out. This
-module says what is unasked and which variant asks it; the strategy decides when.
+alone (the batch size aside; for the loader's workers, at a neighbouring count), or the memory model
+and the failures rule every such variant out. This module says what is unasked and which variant
+asks it; the strategy decides when.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ _PEAKED = ("dataloader_num_workers",)
 
 def unasked(space: SearchSpace, incumbent: TrialParams, history: Iterable[Probe]) -> list[str]:
     """The dimensions of :data:`DIMENSIONS` (and the user's own config fields) the space varies in which no probe
-    differs from ``incumbent`` in that dimension alone (the batch size aside)."""
+    differs from ``incumbent`` in that dimension alone (the batch size aside; in a :data:`_PEAKED` one, at a neighbouring value)."""
     # The user's own config fields (TRL's packing...) come after autotune's: the space lists them because they matter.
     free = [d for d in (*DIMENSIONS, *space.config_fields) if d in space.free_params and len(space.choices[d]) > 1]
     base = incumbent.flat()
