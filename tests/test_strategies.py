@@ -853,3 +853,27 @@ def test_a_users_own_config_field_is_asked_near_the_incumbent_too() -> None:
     assert [v.packing for v in coverage.variants(space, incumbent, "packing")] == [True]
     history.append(Probe(1, incumbent.replace(packing=True), ProbeResult(status="ok", samples_per_s=250.0, peak_mem_bytes=1, wall_s=30.0)))
     assert coverage.unasked(space, incumbent, history) == ["optim"]
+
+
+def test_bayes_does_not_propose_what_its_failure_model_expects_to_fail() -> None:
+    """Second-generator draw 3000036 (every compile mode crashes): once compilation itself was the likely
+    cause (P 0.94), 7 more compiled probes crashed, each given P(runs) 0.001-0.04 and each the best
+    proposal left, 790 of 1,800 s. A configuration less likely than 1 in 20 to run is not proposed: here
+    every uncompiled one was measured, so nothing is left to ask (without the floor, a compiled one is), and
+    the prune applies the same rule to the sampler's picks."""
+    space = {"per_device_train_batch_size": [8], "precision": ["fp32", "bf16"], "optim": ["adamw_torch_fused", "adafactor", "adamw_torch"],
+             "torch_compile": ["off", "inductor", "inductor:max-autotune"]}
+    uncompiled = [TrialParams(precision=p, optim=o) for p in ("fp32", "bf16") for o in ("adamw_torch_fused", "adafactor", "adamw_torch")]
+    history = [_measured(i, 50.0 + i, 2**27, **params.flat()) for i, params in enumerate(uncompiled)]
+    crashed = [{"torch_compile": "inductor"}, {"torch_compile": "inductor:max-autotune", "precision": "bf16", "optim": "adafactor"},
+               {"torch_compile": "inductor", "precision": "bf16", "optim": "adamw_torch"}]
+    history += [_probe(len(history) + i, "crash", **values) for i, values in enumerate(crashed)]
+    state = _parallel_state(history, set(), space=space)
+    grid = Grid(state.space)
+    p_ok = np.broadcast_to(BayesStrategy._p_ok(BayesStrategy().context(state), state), grid.shape).reshape(-1)
+    unseen = [flat for flat in range(grid.size) if grid.params_at(flat).key() not in state.seen]
+    assert unseen and all(0.0 < p_ok[flat] < bayes_strategy.P_RUNS_FLOOR for flat in unseen)  # none certain to fail, none likely to run
+    assert BayesStrategy().propose(state) is None
+    assert all("unlikely to run" in (BayesStrategy().prune(grid.params_at(flat), state) or "") for flat in unseen)  # nor the sampler's pick
+    with mock.patch.object(bayes_strategy, "P_RUNS_FLOOR", 0.0):
+        assert BayesStrategy().propose(state).torch_compile != "off"

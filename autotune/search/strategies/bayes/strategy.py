@@ -22,6 +22,7 @@ from autotune.search.strategies.bayes.groups import MemoryEvidence
 from autotune.search.strategies.failures import KINDS, FailureModel
 
 PENDING_NUMBER = 10**9  # pending probes' numbers: after every real trial's
+P_RUNS_FLOOR = 0.05  # a configuration less likely than one in twenty to run (crash, divergence) is not proposed
 
 
 class BayesStrategy(Strategy):
@@ -57,6 +58,9 @@ class BayesStrategy(Strategy):
             failed = FailureModel.from_history(grid, state.history, kind).certain_failure(params)
             if failed is not None:
                 return f"holds every suspect of the {kind.name} of {failed.short()}"
+        p_runs = float(np.broadcast_to(self._p_ok(context, state), grid.shape).reshape(-1)[grid.flat_index(params)])
+        if p_runs < P_RUNS_FLOOR:
+            return f"unlikely to run after the crashes and divergences so far (P {p_runs:.3f})"
         return None
 
     def propose(self, state: SearchState) -> TrialParams | None:
@@ -80,7 +84,7 @@ class BayesStrategy(Strategy):
         p_ok = np.broadcast_to(self._p_ok(context, state), grid.shape)
         cost_ok, cost_fail = probe_costs(context, history, mean)
         # What may be proposed at all.
-        allowed = (p_ok > 0.0) & context.user_space
+        allowed = (p_ok >= P_RUNS_FLOOR) & context.user_space
         allowed = allowed & ~context.batch_grid(evidence.ruled_out)
         if state.remaining_s is not None:
             allowed = allowed & (cost_ok <= state.remaining_s)
