@@ -857,7 +857,7 @@ def test_a_users_own_config_field_is_asked_near_the_incumbent_too() -> None:
 
 def test_bayes_does_not_propose_what_its_failure_model_expects_to_fail() -> None:
     """Second-generator draw 3000036 (every compile mode crashes): once compilation itself was the likely
-    cause (P 0.94), 7 more compiled probes crashed, each given P(runs) 0.001-0.04 and each the best
+    cause (P 0.88), 7 more compiled probes crashed, each given P(runs) 0.001-0.04 and each the best
     proposal left, 790 of 1,800 s. A configuration less likely than 1 in 20 to run is not proposed: here
     every uncompiled one was measured, so nothing is left to ask (without the floor, a compiled one is), and
     the prune applies the same rule to the sampler's picks."""
