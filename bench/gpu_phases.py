@@ -1250,7 +1250,7 @@ def _landscape_probe(ctx: Context, evaluator: ProbeEvaluator, params: TrialParam
     return {**identity, **params.to_dict(), "status": str(result.status), "samples_per_s": result.samples_per_s,
             "tokens_per_s": result.tokens_per_s, "peak_mem_bytes": result.peak_mem_bytes, "probe_s": result.wall_s,
             "mfu": result.mfu, "input_wait_fraction": result.input_wait_fraction, "step_time_ci95_rel": result.step_time_ci95_rel,
-            "measured_steps": result.measured_steps, "error": None if result.ok else _first_line(result.error, 200)}
+            "setup_s": result.setup_s, "warmup_s": result.warmup_s, "measured_steps": result.measured_steps, "error": None if result.ok else _first_line(result.error, 200)}
 
 
 def _next_repeat(done: dict[tuple[Any, ...], dict[str, Any]], repeats: list[dict[str, Any]]) -> dict[str, Any] | None:

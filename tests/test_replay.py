@@ -225,6 +225,24 @@ def test_a_table_with_input_waits_and_confidence_intervals_replays_them_as_a_pro
     assert plain.input_wait_fraction is None and plain.step_time_ci95_rel is None and not plain.input_bound
 
 
+def test_a_table_with_start_up_and_warm_up_times_replays_them_as_a_probe_reports_them(tmp_path) -> None:
+    frame = pd.read_csv(TINY)
+    frame["setup_s"] = 12.5
+    frame["warmup_s"] = 40.0
+    table = load_table(_write(tmp_path, frame))
+    evaluator = ReplayEvaluator(table, VirtualClock())
+
+    def params_of(position: int) -> TrialParams:
+        return TrialParams.from_dict({k: (v.item() if hasattr(v, "item") else v) for k, v in frame.loc[position].items() if k in TrialParams.__dataclass_fields__})
+
+    ran = evaluator.evaluate(params_of(frame.index[frame["status"] == "ok"][0]), timeout_s=10_000)
+    assert (ran.setup_s, ran.warmup_s) == (12.5, 40.0)  # what the strategy's probe-cost model learns from
+    failed = evaluator.evaluate(params_of(frame.index[frame["status"] == "oom"][0]), timeout_s=10_000)
+    assert failed.setup_s == 12.5 and failed.warmup_s is None  # a failure reports its start-up, as a live one does
+    plain = ReplayEvaluator(load_table(TINY), VirtualClock()).evaluate(params_of(frame.index[frame["status"] == "ok"][0]), timeout_s=10_000)
+    assert plain.setup_s is None and plain.warmup_s is None  # a table without the columns: nothing is made up
+
+
 def test_bad_input_wait_values_name_line_and_column(tmp_path) -> None:
     frame = pd.read_csv(TINY).assign(input_wait_fraction=1.5)
     assert "line 2, column input_wait_fraction: 1.5 is not empty or a fraction in [0, 1]" in _error(_write(tmp_path, frame))

@@ -45,9 +45,10 @@ from autotune.search.strategies.registry import DEFAULT_STRATEGY, make_strategy
 from autotune.space import SearchSpace
 
 MEASUREMENT_COLUMNS = ("status", "samples_per_s", "peak_mem_bytes", "probe_s")
-# What a live probe also reports, replayed where a table records it (a search reads both: the loader's wait
-# says when workers matter, the confidence interval how far to trust a figure). Absent: unknown, as before.
-OPTIONAL_MEASUREMENT_COLUMNS = ("input_wait_fraction", "step_time_ci95_rel")
+# What a live probe also reports, replayed where a table records it (a search reads them: the loader's wait
+# says when workers matter, the confidence interval how far to trust a figure, the start-up and the warm-up
+# (compilation included) what the next probe will cost). Absent: unknown, as before.
+OPTIONAL_MEASUREMENT_COLUMNS = ("input_wait_fraction", "step_time_ci95_rel", "setup_s", "warmup_s")
 REQUIRED_COLUMNS = (*(n for n in PARAM_NAMES if n not in KNOBS_ADDED_LATER), *MEASUREMENT_COLUMNS)
 _INT_PARAMS = ("per_device_train_batch_size", "gradient_accumulation_steps", "dataloader_num_workers")
 _STR_PARAMS = ("precision", "optim", "torch_compile", "attn_implementation")
@@ -276,11 +277,13 @@ class ReplayEvaluator:
         status = ProbeStatus(row["status"])
         if status is ProbeStatus.OOM:
             self.oom_probes += 1
+        wait, ci, setup_s, warmup_s = (_optional_float(row.get(c)) for c in OPTIONAL_MEASUREMENT_COLUMNS)
         if not status.is_ok():
-            return ProbeResult(status=status, error=f"replayed {status}", wall_s=probe_s)
+            return ProbeResult(status=status, error=f"replayed {status}", wall_s=probe_s, setup_s=setup_s)
+        if warmup_s is not None:  # charged less than its row (a compiled graph from the cache): it warmed up that much sooner
+            warmup_s = max(warmup_s - (float(row["probe_s"]) - probe_s), 0.0)
         samples_per_s = float(row["samples_per_s"])
         peak = row["peak_mem_bytes"]
-        wait, ci = (_optional_float(row.get(c)) for c in OPTIONAL_MEASUREMENT_COLUMNS)
         return ProbeResult(
             status=ProbeStatus.OK,
             samples_per_s=samples_per_s,
@@ -291,6 +294,8 @@ class ReplayEvaluator:
             input_wait_fraction=wait,
             input_bound=bool(wait is not None and wait > INPUT_BOUND_FRACTION),
             step_time_ci95_rel=ci,
+            setup_s=setup_s,
+            warmup_s=warmup_s,
         )
 
 
