@@ -15,8 +15,9 @@ memory bandwidth, a host CPU speed and core count, some cards pre-Ampere-like), 
 input-bound), an allocator cap (the ceiling: the card's usable memory or a lower probe cap), and
 failure traits. Its table (:meth:`Draw.frame`) holds every configuration of :data:`GRID` with the
 columns :mod:`autotune.search.replay` reads plus ``true_samples_per_s`` and ``true_peak_mem_bytes``
-(noise-free, for scoring; replay ignores them) and ``probe_warm_s`` (the probe's cost when its
-compiled graph is already in inductor's cache; :class:`CachedReplayEvaluator` charges it).
+(noise-free, for scoring; replay ignores them), ``probe_warm_s`` (the probe's cost when its
+compiled graph is already in inductor's cache; :class:`CachedReplayEvaluator` charges it), and the
+start-up and warm-up seconds (compilation included) a live probe reports, ``setup_s`` and ``warmup_s``.
 
 The functional forms, from first principles of GPU training and the 231 H100 probes of pythia-160m
 (``reports/gpu/nvidia-h100-80gb-hbm3-2026-11-22/landscape_rows.jsonl``), not from a log-additive model:
@@ -68,6 +69,8 @@ import pandas as pd
 
 from autotune.params import COMPILED_GRAPH_PARAMS, TrialParams
 from autotune.records import ProbeStatus
+from autotune.search.memory import MemoryModel
+from autotune.search.memory_prior import ModelDims
 from autotune.search.replay import ReplayEvaluator, ReplayTable, load_table
 from autotune.units import GiB as GIB
 
@@ -142,6 +145,12 @@ class Draw:
 
     def write(self, path: str | Path) -> None:
         self.frame().to_csv(path, index=False)
+
+    def model_dims(self) -> ModelDims:
+        """The drawn model's dimensions, as a run reads them from the model's config (the memory model's analytic prior)."""
+        t = self.traits
+        return ModelDims(num_parameters=int(t["params"]), num_layers=int(t["layers"]), hidden_size=int(t["hidden"]),
+                         num_attention_heads=int(t["heads"]), vocab_size=int(t["vocab"]), intermediate_size=4 * int(t["hidden"]))
 
     def true_best(self) -> pd.Series:
         """The fastest ok row under the ceiling, noise-free."""
@@ -416,6 +425,10 @@ def _build_frame(d: Draw) -> pd.DataFrame:
     frame["peak_mem_bytes"] = measured_peak.astype(np.int64)
     frame["probe_s"] = np.round(probe_cold, 3)
     frame["probe_warm_s"] = np.round(probe_warm, 3)
+    # What a live probe reports besides (autotune.records.ProbeResult): start-up, and the warm-up steps with the
+    # compilation (cold; the cached evaluator's cheaper compile is taken off by the replay).
+    frame["setup_s"] = np.round(start, 3)
+    frame["warmup_s"] = np.where(ok, np.round(compile_cold + 3 * parts["step_s"], 3), np.nan)
     frame["true_samples_per_s"] = true_sps
     frame["true_peak_mem_bytes"] = true_peak.astype(np.int64)
     return frame
@@ -483,7 +496,7 @@ class CachedReplayEvaluator(ReplayEvaluator):
 # ---------------------------------------------------------------------- one scored search
 
 
-def search_draw(strategy: str, index: int, budget_s: float, seed: int, noise_stream: int = 0) -> dict[str, Any]:
+def search_draw(strategy: Any, index: int, budget_s: float, seed: int, noise_stream: int = 0) -> dict[str, Any]:
     """One search of ``strategy`` on draw ``index``; the returned configuration scored noise-free,
     against the draw's optimum under its ceiling and against the expert rule's configuration."""
     import optuna
@@ -502,15 +515,16 @@ def search_draw(strategy: str, index: int, budget_s: float, seed: int, noise_str
         expert = None
     expert_sps = d.true_samples_per_s(expert) if expert is not None else 0.0
     evaluator = CachedReplayEvaluator(table)
-    chosen = make_strategy(strategy)
+    chosen = make_strategy(strategy) if isinstance(strategy, str) else strategy
     study = optuna.create_study(direction="maximize", sampler=chosen.sampler(seed))
     settings = SearchSettings(memory_ceiling_bytes=d.ceiling_bytes, budget_s=budget_s, seed=seed, min_probe_s=1.0)
     started = time.process_time()
     from bench.table_expert import table_expert
 
     # The search runs the product's own expert rule (its batch from the table's recorded peaks), as a run does.
+    # and its memory model starts from the model's dimensions, as a run's does.
     outcome = run_search(study, space, evaluator, settings, baseline=space.baseline(), expert=table_expert(table, d.ceiling_bytes),
-                         clock=evaluator.clock, strategy=chosen)
+                         clock=evaluator.clock, strategy=chosen, memory=MemoryModel(d.model_dims(), int(d.traits["seq"])))
     cpu_s = time.process_time() - started
     ranked = ranked_configurations(study, d.ceiling_bytes)
     row: dict[str, Any] = {

@@ -391,21 +391,26 @@ class MemoryModel:
         return group is not None and any(needs_no_less_memory(b, a, batch, accumulation) and m <= ceiling_bytes
                                          for (b, a), m in group.peaks.items())
 
-    def prune_reason(self, params: TrialParams, ceiling_bytes: int, *, margin: float = PRUNE_MARGIN) -> str | None:
+    def prune_reason(self, params: TrialParams, ceiling_bytes: int) -> str | None:
         """Why ``params`` should not be run (it cannot fit under the ceiling), or ``None``."""
         known = self.known_outcome(params, ceiling_bytes)
         if known or self.known_to_fit(params, ceiling_bytes):
             return known
         predicted = self.predict(params)
-        if predicted is None:
-            return None
-        if not self.is_calibrated(params):
-            if len({memory_group(p) for p, _ in self._observations}) < 2:
-                return None  # one group measured: the generic factors are not fitted yet
-            margin = UNCALIBRATED_PRUNE_MARGIN
-        if predicted > ceiling_bytes * (1 + margin):
+        margin = self.prune_margin(params)
+        if predicted is not None and margin is not None and predicted > ceiling_bytes * (1 + margin):
             return f"predicted {predicted / GiB:.1f} GiB > ceiling {ceiling_bytes / GiB:.1f} GiB"
         return None
+
+    def prune_margin(self, params: TrialParams) -> float | None:
+        """How far over the ceiling a prediction for ``params`` must be to prune it: :data:`PRUNE_MARGIN` where
+        calibrated (:meth:`is_calibrated`), else :data:`UNCALIBRATED_PRUNE_MARGIN`; ``None`` (no pruning by
+        prediction) while one group is measured without model dims, its generic factors not fitted yet."""
+        if self.is_calibrated(params):
+            return PRUNE_MARGIN
+        if len({memory_group(p) for p, _ in self._observations}) < 2:
+            return None
+        return UNCALIBRATED_PRUNE_MARGIN
 
     def class_measured(self, params: TrialParams) -> bool:
         """Whether a group with the activation factors of ``params`` (:func:`activation_class`) has a

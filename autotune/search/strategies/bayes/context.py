@@ -31,7 +31,7 @@ class Context:
     batch_values: np.ndarray  # grid-broadcastable
     accum_values: np.ndarray  # grid-broadcastable (derived from the batch under a fixed effective batch size)
     other_axes: tuple[int, ...]  # the grid axes that are not memory-group dimensions
-    lines: dict[int, tuple[float, float] | None] = field(default_factory=dict)  # per group, for one history length
+    lines: dict[int, np.ndarray | None] = field(default_factory=dict)  # per group: predicted peaks by accumulation x batch, for one history length
     lines_at: int = -1
     p_fit_rows: dict[int, np.ndarray] = field(default_factory=dict)  # per group, for the evidence, ceiling and lines in p_fit_for
     p_fit_for: tuple[Any, ...] = (None, -1, -1)
@@ -65,7 +65,7 @@ class Context:
         return context
 
     def refresh_lines(self, stamp: int) -> None:
-        """Forget the memory model's lines when the history (of length ``stamp``) changed."""
+        """Forget the memory model's predictions when the history (of length ``stamp``) changed."""
         if self.lines_at != stamp:
             self.lines, self.lines_at = {}, stamp
 
@@ -75,9 +75,16 @@ class Context:
             self.group_params[group] = self.grid.params_at(0).replace(**dict(zip(self.groups.dims, self.groups.values[group])))
         return self.group_params[group]
 
-    def batch_shape(self) -> tuple[int, ...]:
-        """The shape of one group's cells with the batch axis kept and the others of size 1."""
-        return tuple(len(self.grid.values[BATCH]) if self.grid.names[a] == BATCH else 1 for a in self.other_axes)
+    def accumulations(self) -> list[Any]:
+        """The accumulation axis of a memory group's blocks (:mod:`.fit`): the grid's values, or one (none, or derived from the batch)."""
+        return list(self.grid.values[ACCUM]) if ACCUM in self.grid.names else [None]
+
+    def memory_cells(self, block: np.ndarray) -> np.ndarray:
+        """An accumulation x batch block of one group as its cells' shape (the other axes of size 1)."""
+        names = [self.grid.names[a] for a in self.other_axes]
+        if ACCUM in names and names.index(ACCUM) > names.index(BATCH):
+            block = block.T
+        return block.reshape(tuple(self.grid.shape[a] if self.grid.names[a] in (ACCUM, BATCH) else 1 for a in self.other_axes))
 
     def group_cells(self, group: int) -> tuple[Any, ...]:
         """An index into grid-shaped arrays selecting one memory group (its other axes kept)."""

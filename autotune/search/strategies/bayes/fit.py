@@ -11,7 +11,6 @@ from typing import Any
 import numpy as np
 
 from autotune.params import TrialParams
-from autotune.search.memory import PRUNE_MARGIN, UNCALIBRATED_PRUNE_MARGIN
 from autotune.search.strategies.base import SearchState
 from autotune.search.strategies.bayes.context import Context
 from autotune.search.strategies.bayes.groups import MemoryEvidence
@@ -23,21 +22,24 @@ OOM_IMPLIED = 0.05  # P(fits) left where an OOM elsewhere implies this one, give
 MEMORY_SD = {"line": 0.03, "point": 0.10, "class": 0.10, "none": 0.30}
 
 
-def line(context: Context, state: SearchState, group: int) -> tuple[float, float] | None:
-    """The memory model's peak for ``group`` as (bytes at batch 0, bytes per sample); ``None`` before any scale."""
+def predicted_block(context: Context, state: SearchState, group: int) -> np.ndarray | None:
+    """The memory model's peak for ``group`` at each accumulation x batch size of the grid (read-only);
+    ``None`` before any scale.
+
+    Each cell is predicted, not a line through two batch sizes: with model dims the peak is not linear
+    in the batch (at accumulation 1 the gradients and the activations do not coexist, and a line through
+    batches 1 and 2, where the gradients hide the activations, rose by nothing), and accumulating holds
+    the gradients."""
     if group not in context.lines:
         params = context.params_of_group(group)
-        one = state.memory.predict(params.replace(per_device_train_batch_size=1))
-        two = state.memory.predict(params.replace(per_device_train_batch_size=2))
-        context.lines[group] = None if one is None or two is None else (2.0 * one - two, float(two - one))
+        grid = context.grid
+        peaks = [[state.memory.predict(params.replace(per_device_train_batch_size=int(b), gradient_accumulation_steps=grid.accumulation(b, a)))
+                  for b in grid.values[BATCH]] for a in context.accumulations()]
+        block = None if any(p is None for row in peaks for p in row) else np.array(peaks, dtype=float)
+        if block is not None:
+            block.setflags(write=False)
+        context.lines[group] = block
     return context.lines[group]
-
-
-def _predicted_row(context: Context, state: SearchState, group: int) -> np.ndarray | None:
-    fitted = line(context, state, group)
-    if fitted is None:
-        return None
-    return fitted[0] + fitted[1] * context.batch_values.reshape(-1)
 
 
 def _memory_sd(context: Context, state: SearchState, evidence: MemoryEvidence, group: int) -> float:
@@ -50,30 +52,30 @@ def _memory_sd(context: Context, state: SearchState, evidence: MemoryEvidence, g
     return MEMORY_SD["class" if state.memory.class_measured(context.params_of_group(group)) else "none"]
 
 
-def p_fit_row(context: Context, state: SearchState, evidence: MemoryEvidence, group: int) -> np.ndarray:
-    """P(peak <= ceiling) along the batch axis for ``group`` (read-only: kept while the evidence,
-    the ceiling and the memory model's lines stay the same, as they do through one proposal)."""
+def p_fit_block(context: Context, state: SearchState, evidence: MemoryEvidence, group: int) -> np.ndarray:
+    """P(peak <= ceiling) for ``group`` by accumulation x batch (read-only: kept while the evidence,
+    the ceiling and the memory model's predictions stay the same, as they do through one proposal)."""
     held, ceiling, lines_at = context.p_fit_for
     if held is not evidence or (ceiling, lines_at) != (state.ceiling_bytes, context.lines_at):
         context.p_fit_rows, context.p_fit_for = {}, (evidence, state.ceiling_bytes, context.lines_at)
-    row = context.p_fit_rows.get(group)
-    if row is None:
-        row = context.p_fit_rows[group] = _p_fit_row_of(context, state, evidence, group)
-        row.setflags(write=False)
-    return row
+    block = context.p_fit_rows.get(group)
+    if block is None:
+        block = context.p_fit_rows[group] = _p_fit_block_of(context, state, evidence, group)
+        block.setflags(write=False)
+    return block
 
 
-def _p_fit_row_of(context: Context, state: SearchState, evidence: MemoryEvidence, group: int) -> np.ndarray:
+def _p_fit_block_of(context: Context, state: SearchState, evidence: MemoryEvidence, group: int) -> np.ndarray:
     ceiling = state.ceiling_bytes
-    model = _predicted_row(context, state, group)
+    model = predicted_block(context, state, group)
     if model is None:
-        return np.full(len(context.grid.values[BATCH]), 0.5)
+        return np.full((len(context.accumulations()), len(context.grid.values[BATCH])), 0.5)
     fits = evidence.fits.get(group, {})
     sd = _memory_sd(context, state, evidence, group)
-    margin = np.log(ceiling / np.maximum(model, 1.0)) / sd  # how far under the ceiling the model puts each batch, in sds
+    margin = np.log(ceiling / np.maximum(model, 1.0)) / sd  # how far under the ceiling the model puts each cell, in sds
     p_fit = normal_cdf(margin)
     for j, peak in fits.items():
-        p_fit[j] = float(peak <= ceiling)
+        p_fit[:, j] = float(peak <= ceiling)
     # Over the ceiling at batch b0 (OOM or measured) in a group with no more static memory,
     # whose activations per sample are at most 1/ratio of ours: ours is over from b0 / ratio on.
     batches = context.batch_values.reshape(-1)
@@ -84,16 +86,33 @@ def _p_fit_row_of(context: Context, state: SearchState, evidence: MemoryEvidence
     return p_fit
 
 
-def _pruned_row(context: Context, state: SearchState, evidence: MemoryEvidence, group: int) -> np.ndarray:
-    """What :meth:`MemoryModel.prune_reason` rules out by prediction, along the batch axis."""
-    model = _predicted_row(context, state, group)
-    if model is None:
-        return np.zeros(len(context.grid.values[BATCH]), dtype=bool)
-    fits = evidence.fits.get(group)
-    if not fits and len(evidence.fits) < 2:
-        return np.zeros(len(model), dtype=bool)  # the memory model prunes an unmeasured group only once two are measured
-    margin = PRUNE_MARGIN if fits else UNCALIBRATED_PRUNE_MARGIN
+def _pruned_block(context: Context, state: SearchState, group: int) -> np.ndarray:
+    """What :meth:`MemoryModel.prune_reason` rules out by prediction, by accumulation x batch."""
+    model = predicted_block(context, state, group)
+    margin = state.memory.prune_margin(context.params_of_group(group))
+    if model is None or margin is None:
+        return np.zeros((len(context.accumulations()), len(context.grid.values[BATCH])), dtype=bool)
     return model > state.ceiling_bytes * (1 + margin)
+
+
+def memory_prune(context: Context, state: SearchState, evidence: MemoryEvidence, params: TrialParams) -> str | None:
+    """Why ``params`` cannot fit, or ``None``: its own group's measurements (:meth:`MemoryModel.known_outcome`),
+    then an OOM in a group needing no more memory; the memory model's prediction only where no fit in a group
+    needing no less memory says it fits (:class:`MemoryEvidence`: measured beats predicted)."""
+    known = state.memory.known_outcome(params, state.ceiling_bytes)
+    if known is not None or context.grid.flat_index(params) is None:
+        return known
+    cell = (context.groups.index(params, context.grid), *MemoryEvidence.cell(context.grid, params))
+    if evidence.ruled_out[cell]:
+        return "out of memory, or over the ceiling, at a batch and accumulation no larger in a group needing no more memory"
+    return None if evidence.known_fit[cell] else state.memory.prune_reason(params, state.ceiling_bytes)
+
+
+def p_fits(context: Context, state: SearchState, evidence: MemoryEvidence, params: TrialParams) -> float:
+    """P(fits) of one configuration (its memory group's, at its accumulation and batch)."""
+    context.refresh_lines(len(state.history))
+    a, j = MemoryEvidence.cell(context.grid, params)
+    return float(p_fit_block(context, state, evidence, context.groups.index(params, context.grid))[a, j])
 
 
 def likely_batch(context: Context, state: SearchState, evidence: MemoryEvidence, params: TrialParams) -> TrialParams | None:
@@ -101,7 +120,8 @@ def likely_batch(context: Context, state: SearchState, evidence: MemoryEvidence,
     (``None`` where none is)."""
     grid = context.grid
     context.refresh_lines(len(state.history))
-    p_fit = p_fit_row(context, state, evidence, context.groups.index(params, grid))
+    a, _ = MemoryEvidence.cell(grid, params)
+    p_fit = p_fit_block(context, state, evidence, context.groups.index(params, grid))[a]
     likely = [b for b, p in zip(grid.values[BATCH], p_fit) if p >= 0.5 and b <= params.per_device_train_batch_size]
     return state.space.with_changes(params, per_device_train_batch_size=max(likely)) if likely else None
 
@@ -116,15 +136,14 @@ def best_over_groups(context: Context, state: SearchState, evidence: MemoryEvide
     stops when no group left can beat the best found (exact, since ``exact`` rises with P(fits))."""
     known = context.batch_grid(evidence.known_fit)
     per_group = bound.max(axis=context.other_axes).reshape(-1)
-    shape = context.batch_shape()
     context.refresh_lines(len(state.history))
     best_value, best_index = -np.inf, None
     for group in np.argsort(-per_group, kind="stable"):
         if per_group[group] <= best_value or not np.isfinite(per_group[group]):
             break
         cells = context.group_cells(int(group))
-        p_fit = np.where(known[cells], 1.0, p_fit_row(context, state, evidence, int(group)).reshape(shape))
-        value = np.where(_pruned_row(context, state, evidence, int(group)).reshape(shape) & ~known[cells], -np.inf, exact(cells, p_fit))
+        p_fit = np.where(known[cells], 1.0, context.memory_cells(p_fit_block(context, state, evidence, int(group))))
+        value = np.where(context.memory_cells(_pruned_block(context, state, int(group))) & ~known[cells], -np.inf, exact(cells, p_fit))
         local = int(np.argmax(value))
         if value.reshape(-1)[local] > best_value:
             best_value, best_index = float(value.reshape(-1)[local]), context.flat_of(int(group), local)

@@ -120,7 +120,8 @@ class MemoryEvidence:
     j and a; one accumulation index where the grid has none) needing no more memory
     (:func:`~autotune.search.memory.needs_no_less_memory`) in a group needing no more memory than g.
     ``known_fit[g, a, j]``: a peak under the ceiling at one needing no less in a group needing no
-    less (this wins: measurements of g's own are exact).
+    less (this wins over another group's OOM; g's own OOM wins over it, as in
+    :meth:`~autotune.search.memory.MemoryModel.known_outcome`).
     """
 
     fits: dict[int, dict[int, int]]  # group -> batch index -> measured peak
@@ -135,7 +136,7 @@ class MemoryEvidence:
         fits: dict[int, dict[int, int]] = {}
         over: list[tuple[int, int]] = []
         ruled_out = np.zeros((len(groups.codes), len(accums), len(batches)), dtype=bool)
-        known_fit = np.zeros_like(ruled_out)
+        known_fit, own = np.zeros_like(ruled_out), np.zeros_like(ruled_out)
         for probe in history:
             batch, accum = probe.params.per_device_train_batch_size, probe.params.gradient_accumulation_steps if ACCUM in grid.names else 1
             if batch not in batches or accum not in accums:
@@ -152,8 +153,10 @@ class MemoryEvidence:
             elif probe.result.status is not ProbeStatus.OOM:
                 continue
             over.append((group, j))  # out of memory, or measured over the ceiling
-            ruled_out[groups.needing_no_less_than(group)] |= _cells(accums, batches, batch, accum, no_less=True)
-        return cls(fits, over, ruled_out & ~known_fit, known_fit)
+            cells = _cells(accums, batches, batch, accum, no_less=True)
+            ruled_out[groups.needing_no_less_than(group)] |= cells
+            own[group] |= cells
+        return cls(fits, over, (ruled_out & ~known_fit) | own, known_fit & ~own)
 
     @staticmethod
     def cell(grid: Grid, params: TrialParams) -> tuple[int, int]:

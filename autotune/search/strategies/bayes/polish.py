@@ -17,7 +17,7 @@ import numpy as np
 from autotune.search.ranking import Configuration
 from autotune.search.strategies.base import SearchState
 from autotune.search.strategies.bayes.context import Context
-from autotune.search.strategies.bayes.fit import best_over_groups
+from autotune.search.strategies.bayes.fit import best_over_groups, memory_prune
 from autotune.search.strategies.bayes.groups import MemoryEvidence
 from autotune.search.strategies.bayes.throughput import MIN_GAIN
 from autotune.search.strategies.surrogate import ACCUM, expected_improvement
@@ -65,8 +65,9 @@ def polish_reserve(context: Context, state: SearchState, feasible: list[Configur
         if ACCUM in grid.names:
             variants += [(ACCUM, {ACCUM: a}) for a in grid.values[ACCUM] if a > base.gradient_accumulation_steps]
         for dim, changes in variants:
-            index = grid.flat_index(state.space.with_changes(base, **changes))
-            if index is None or not flat["allowed"][index]:
+            variant = state.space.with_changes(base, **changes)
+            index = grid.flat_index(variant)
+            if index is None or not flat["allowed"][index] or memory_prune(context, state, evidence, variant) is not None:
                 continue
             value = float(worth[index])
             if value > 0 and value > best_of.get(dim, (0.0, 0.0, -1))[0]:

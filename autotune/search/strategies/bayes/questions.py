@@ -16,7 +16,7 @@ from autotune.search.ranking import Configuration
 from autotune.search.strategies import coverage
 from autotune.search.strategies.base import SearchState
 from autotune.search.strategies.bayes.context import Context
-from autotune.search.strategies.bayes.fit import likely_batch
+from autotune.search.strategies.bayes.fit import likely_batch, memory_prune
 from autotune.search.strategies.bayes.groups import MemoryEvidence
 from autotune.search.strategies.surrogate import BATCH
 
@@ -38,18 +38,16 @@ def coverage_question(context: Context, state: SearchState, feasible: list[Confi
     incumbent = feasible[0].params
     flat_allowed = allowed.reshape(-1)
     questions: list[tuple[float, int, TrialParams]] = []
-    evidence: MemoryEvidence | None = None
+    evidence = MemoryEvidence.of(context.groups, grid, state.history, state.ceiling_bytes)
     for rank, dimension in enumerate(coverage.unasked(state.space, incumbent, state.history)):
         for variant in coverage.variants(state.space, incumbent, dimension, state.history):
             if dimension == "gradient_checkpointing" and variant.gradient_checkpointing:  # its point: a larger batch
-                evidence = evidence or MemoryEvidence.of(context.groups, grid, state.history, state.ceiling_bytes)
                 largest = state.space.with_changes(variant, per_device_train_batch_size=max(grid.values[BATCH]))
                 variant = likely_batch(context, state, evidence, largest) or variant
-            if state.memory.prune_reason(variant, state.ceiling_bytes) is not None:
-                evidence = evidence or MemoryEvidence.of(context.groups, grid, state.history, state.ceiling_bytes)
+            if memory_prune(context, state, evidence, variant) is not None:
                 variant = likely_batch(context, state, evidence, variant) or variant
             index = grid.flat_index(variant)
-            if index is not None and flat_allowed[index] and state.memory.prune_reason(variant, state.ceiling_bytes) is None:
+            if index is not None and flat_allowed[index] and memory_prune(context, state, evidence, variant) is None:
                 questions.append((float(cost_ok.flat[index]), rank, variant))
                 break
     if not questions:
@@ -97,7 +95,8 @@ def precision_sibling(context: Context, state: SearchState, feasible: list[Confi
     flat_allowed = allowed.reshape(-1)
     if not tried:
         index = grid.flat_index(sibling)
-        return index if index is not None and bool(flat_allowed[index]) else None
+        fits = memory_prune(context, state, evidence, sibling) is None
+        return index if index is not None and bool(flat_allowed[index]) and fits else None
     flat_p_ok = np.broadcast_to(p_ok, grid.shape).reshape(-1)
     flat_mean = np.broadcast_to(mean, grid.shape).reshape(-1)
     contexts = [sibling] + [state.space.with_changes(sibling, **{dim: value}) for dim in ("optim", "attn_implementation", "gradient_checkpointing")

@@ -44,16 +44,13 @@ class BayesStrategy(Strategy):
         return self._context
 
     def prune(self, params: TrialParams, state: SearchState) -> str | None:
-        reason = state.memory.prune_reason(params, state.ceiling_bytes)
-        if reason is not None:
-            return reason
         context = self.context(state)
         grid = context.grid
         if grid.flat_index(params) is None:
-            return None
-        evidence = MemoryEvidence.of(context.groups, grid, state.history, state.ceiling_bytes)
-        if evidence.ruled_out[(context.groups.index(params, grid),) + MemoryEvidence.cell(grid, params)]:
-            return "out of memory, or over the ceiling, at a batch and accumulation no larger in a group needing no more memory"
+            return state.memory.prune_reason(params, state.ceiling_bytes)
+        reason = fit.memory_prune(context, state, MemoryEvidence.of(context.groups, grid, state.history, state.ceiling_bytes), params)
+        if reason is not None:
+            return reason
         for kind in KINDS:
             failed = FailureModel.from_history(grid, state.history, kind).certain_failure(params)
             if failed is not None:
@@ -174,7 +171,7 @@ def pending_probes(context: Context, state: SearchState, evidence: MemoryEvidenc
         if evidence.known_fit[group, a, j] or evidence.ruled_out[group, a, j]:
             fits = bool(evidence.known_fit[group, a, j])
         else:
-            fits = bool(fit.p_fit_row(context, state, evidence, group)[j] >= 0.5)
+            fits = fit.p_fits(context, state, evidence, params) >= 0.5
         pending.append((params, fits))
     return pending
 
@@ -187,8 +184,8 @@ def _believed(context: Context, state: SearchState, pending: list[tuple[TrialPar
     believed = []
     for i, (params, fits) in enumerate(pending):
         if fits:
-            line = fit.line(context, state, context.groups.index(params, grid))
-            peak = state.ceiling_bytes if line is None else int(min(max(line[0] + line[1] * params.per_device_train_batch_size, 1.0), state.ceiling_bytes))
+            predicted = state.memory.predict(params)
+            peak = state.ceiling_bytes if predicted is None else int(min(max(predicted, 1), state.ceiling_bytes))
             result = ProbeResult(ProbeStatus.OK, samples_per_s=float(np.exp(flat_mean[grid.flat_index(params)])), peak_mem_bytes=peak)
         else:
             result = ProbeResult(ProbeStatus.OOM)
