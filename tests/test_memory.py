@@ -399,3 +399,17 @@ def test_after_an_out_of_memory_probe_with_nothing_known_the_batch_halves() -> N
     params = TrialParams(per_device_train_batch_size=64)
     memory.observe(params, _oom())
     assert memory._limit_after_oom(params, 64, 40 * GiB) == 32
+
+
+def test_the_analytic_prior_alone_does_not_prune_until_a_peak_was_measured_on_the_device() -> None:
+    """The analytic prior can be off by a factor (a second-generator model peaked at 0.68x its prediction,
+    and pruning every configuration predicted 5 % over the ceiling left a search nothing to run): a
+    prediction prunes only once the device measured a peak, then at the tight margin."""
+    memory = MemoryModel(DIMS, seq_len=64)
+    params = TrialParams(per_device_train_batch_size=8, precision="bf16")
+    ceiling = int(predict_peak_bytes(DIMS, params, 64) / 1.2)  # predicted 20 % over
+    assert memory.prune_margin(params) is None and memory.prune_reason(params, ceiling) is None
+    smaller = params.replace(per_device_train_batch_size=1)
+    memory.observe(smaller, _ok(predict_peak_bytes(DIMS, smaller, 64)))  # the prior was right at batch 1
+    assert memory.prune_margin(params) == pytest.approx(0.05)
+    assert memory.prune_reason(params, ceiling) is not None

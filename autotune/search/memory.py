@@ -405,7 +405,12 @@ class MemoryModel:
     def prune_margin(self, params: TrialParams) -> float | None:
         """How far over the ceiling a prediction for ``params`` must be to prune it: :data:`PRUNE_MARGIN` where
         calibrated (:meth:`is_calibrated`), else :data:`UNCALIBRATED_PRUNE_MARGIN`; ``None`` (no pruning by
-        prediction) while one group is measured without model dims, its generic factors not fitted yet."""
+        prediction) before any peak was measured on this device (the analytic prior alone is off by a
+        factor: a second-generator model's peaks at 0.68x its prediction, where pruning at the tight
+        margin left nothing to run), and while one group is measured without model dims, its generic
+        factors not fitted yet."""
+        if not self._observations:
+            return None
         if self.is_calibrated(params):
             return PRUNE_MARGIN
         if len({memory_group(p) for p, _ in self._observations}) < 2:
