@@ -100,8 +100,8 @@ def memory_prune(context: Context, state: SearchState, evidence: MemoryEvidence,
     then an OOM in a group needing no more memory; the memory model's prediction only where no fit in a group
     needing no less memory says it fits (:class:`MemoryEvidence`: measured beats predicted)."""
     known = state.memory.known_outcome(params, state.ceiling_bytes)
-    if known is not None or context.grid.flat_index(params) is None:
-        return known
+    if known is not None or context.grid.flat_index(params) is None:  # off the grid: the memory model's own rule
+        return known or state.memory.prune_reason(params, state.ceiling_bytes)
     cell = (context.groups.index(params, context.grid), *MemoryEvidence.cell(context.grid, params))
     if evidence.ruled_out[cell]:
         return "out of memory, or over the ceiling, at a batch and accumulation no larger in a group needing no more memory"

@@ -46,10 +46,8 @@ class BayesStrategy(Strategy):
     def prune(self, params: TrialParams, state: SearchState) -> str | None:
         context = self.context(state)
         grid = context.grid
-        if grid.flat_index(params) is None:
-            return state.memory.prune_reason(params, state.ceiling_bytes)
         reason = fit.memory_prune(context, state, MemoryEvidence.of(context.groups, grid, state.history, state.ceiling_bytes), params)
-        if reason is not None:
+        if reason is not None or grid.flat_index(params) is None:
             return reason
         for kind in KINDS:
             failed = FailureModel.from_history(grid, state.history, kind).certain_failure(params)
