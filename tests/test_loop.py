@@ -528,10 +528,41 @@ def test_an_expert_out_of_memory_is_followed_by_a_smaller_batch(fake_gpu) -> Non
     smaller = expert_fallback(space, expert, {expert.key(): oom}, None, 40 * GiB)
     assert smaller == expert.replace(per_device_train_batch_size=32)  # half of it
     assert expert_fallback(space, expert, {expert.key(): oom, smaller.key(): ok}, None, 40 * GiB) is None
-    # At the smallest batch: checkpointing and the optimizer with the least state the space holds, together.
+    # At the smallest batch: one setting lightened at a time (checkpointing, then an optimizer with less state,
+    # 8-bit AdamW first), then checkpointing and the optimizer with the least state the space holds, together.
     small = expert.replace(per_device_train_batch_size=8)
-    frugal_space = _space(optim=["adamw_torch_fused", "adamw_bnb_8bit", "adafactor"]).restrict(fake_gpu)
-    assert expert_fallback(frugal_space, small, {small.key(): oom}, None, 40 * GiB) == small.replace(gradient_checkpointing=True, optim="adafactor")
+    frugal_space = _space(optim=["adamw_torch_fused", "adamw_bnb_8bit", "adafactor"])  # as on a GPU with bitsandbytes
+    outcomes: dict = {small.key(): oom}
+    asked = []
+    while (neighbour := expert_fallback(frugal_space, small, outcomes, None, 40 * GiB)) is not None:
+        asked.append(neighbour)
+        outcomes[neighbour.key()] = oom
+    assert asked[:4] == [small.replace(gradient_checkpointing=True), small.replace(optim="adamw_bnb_8bit"), small.replace(optim="adafactor"),
+                         small.replace(gradient_checkpointing=True, optim="adafactor")]
+
+
+def test_an_expert_whose_optimizer_state_does_not_fit_gets_a_lighter_optimizer_at_the_largest_batch_that_fits() -> None:
+    """A 1.5 B-parameter model under a 24 GiB ceiling: fused AdamW's state alone is over it, with or without
+    checkpointing. After checkpointing (predicted over too, so at the smallest batch), the expert's next step
+    is 8-bit AdamW without checkpointing at the largest batch the memory model predicts to fit (before: the
+    frugal pair, checkpointing and Adafactor, at batch 1, and the strategy took over from there)."""
+    from autotune.search.expert import expert_fallback, expert_params
+    from autotune.search.memory import MemoryModel
+    from autotune.search.memory_prior import ModelDims
+    from autotune.space import parse_space
+
+    dims = ModelDims(num_parameters=1_500_000_000, num_layers=24, hidden_size=2048, num_attention_heads=16, vocab_size=32000, intermediate_size=8192)
+    memory = MemoryModel(dims, 1024)
+    space = parse_space({"per_device_train_batch_size": [1, 2, 4, 8, 16], "precision": ["fp32", "bf16"], "gradient_checkpointing": [False, True],
+                         "optim": ["adamw_torch_fused", "adamw_bnb_8bit", "adafactor"], "torch_compile": ["off", "inductor"]})
+    expert = expert_params(space, TrialParams(), memory, 24 * GiB)
+    assert (expert.optim, expert.per_device_train_batch_size, expert.gradient_checkpointing) == ("adamw_torch_fused", 1, False)
+    oom = ProbeResult(status="oom", error="OutOfMemoryError", wall_s=30.0)
+    checkpointed = expert_fallback(space, expert, {expert.key(): oom}, memory, 24 * GiB)
+    assert checkpointed == expert.replace(gradient_checkpointing=True)
+    lighter = expert_fallback(space, expert, {expert.key(): oom, checkpointed.key(): oom}, memory, 24 * GiB)
+    assert lighter is not None and (lighter.optim, lighter.gradient_checkpointing) == ("adamw_bnb_8bit", False)
+    assert lighter.per_device_train_batch_size == memory.largest_batch_that_fits(lighter, [1, 2, 4, 8, 16], 24 * GiB) == 4
 
 
 def test_an_expert_fallback_that_cannot_finish_in_the_time_left_is_not_started(fake_gpu) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 
 from autotune.params import TrialParams
 from autotune.records import ProbeResult, ProbeStatus
+from autotune.search.memory_prior import optimizer_state_bytes
 from autotune.sharding import NONE
 from autotune.space import SearchSpace
 
@@ -73,10 +74,13 @@ def expert_params(space: SearchSpace, base: TrialParams, memory: Any, ceiling_by
 # ---------------------------------------------------------------------- its nearest runnable neighbours
 
 MAX_FALLBACK_PROBES = 6  # neighbours of a failed expert configuration measured at most, before the strategy takes over
-# Settings that need less memory, taken together once the batch cannot shrink further (the optimizer: the
+# Where even the smallest batch does not fit, an expert lightens one thing at a time, each at the largest batch
+# that then fits: checkpointing, else an optimizer with less state (8-bit AdamW keeps AdamW's update, Adafactor
+# factors it), the second generator's expert pick's order; then everything together (FRUGAL_CHANGES).
+LIGHTER_OPTIMS = ("adamw_bnb_8bit", "adafactor")
+# Settings that need less memory, taken together once one at a time did not fit (the optimizer: the
 # first the space holds, least state first): one step to the frugal end, where a strategy that found
-# nothing running starts too (tried one at a time, on the design draws the first fits sat at batch 1
-# without checkpointing, and the memory model read them as room for batch 64: an out-of-memory run).
+# nothing running starts too.
 FRUGAL_CHANGES: dict[str, tuple[Any, ...]] = {"gradient_checkpointing": (True,), "optim": ("adafactor", "adamw_bnb_8bit")}
 # Where even that does not fit, DeepSpeed's ZeRO-Offload (the optimizer state, then the parameters too, on the host), with
 # the expert's optimizer: the next step the texts this tool grew from name when one GPU's memory is not enough.
@@ -91,8 +95,9 @@ def expert_fallback(space: SearchSpace, expert: TrialParams, outcomes: Mapping[t
 
     Neighbours are visited nearest first (breadth first from the expert), each failed one expanded by
     what its failure suggests: out of memory (or over the ceiling) a smaller batch (the largest
-    ``memory`` predicts to fit below the failed one, else half of it), at the smallest batch
-    checkpointing and the optimizer with the least state together; a crash or a divergence each suspect dimension
+    ``memory`` predicts to fit below the failed one, else half of it), at the smallest batch one
+    setting lightened at a time (at the largest batch that then fits), then checkpointing and the
+    optimizer with the least state together; a crash or a divergence each suspect dimension
     one step down the expert's preferences (the other 16-bit format, the next attention kernel, the
     unfused optimizer, uncompiled), uncompiled first where the failure came after start-up (while
     compiling or training), the precision first where the loss diverged.
@@ -138,6 +143,7 @@ def _neighbours(space: SearchSpace, node: TrialParams, result: ProbeResult | Non
             fits = memory.largest_batch_that_fits(node, smaller, ceiling_bytes) if memory is not None else None
             found.append(space.with_changes(node, per_device_train_batch_size=fits or max(b for b in smaller if b <= max(batch // 2, min(smaller)))))
         else:
+            found += _one_lighter(space, node, memory, ceiling_bytes)
             frugal = {name: next(v for v in values if v in space.choices[name]) for name, values in FRUGAL_CHANGES.items()
                       if any(v in space.choices.get(name, ()) for v in values)}
             if any(getattr(node, name) != value for name, value in frugal.items()):
@@ -157,6 +163,18 @@ def _neighbours(space: SearchSpace, node: TrialParams, result: ProbeResult | Non
             if value is not None:
                 found.append(_fitted(space, space.with_changes(node, **{name: value}), node.per_device_train_batch_size, memory, ceiling_bytes))
     return found
+
+
+def _one_lighter(space: SearchSpace, node: TrialParams, memory: Any, ceiling_bytes: int) -> list[TrialParams]:
+    """``node`` with one setting lightened (checkpointing on, or an optimizer of :data:`LIGHTER_OPTIMS` with less
+    state), each at the largest batch ``memory`` predicts to fit (``node``'s own where it cannot tell)."""
+    largest = max(space.choices["per_device_train_batch_size"])
+    changes: list[dict[str, Any]] = []
+    if not node.gradient_checkpointing and True in space.choices.get("gradient_checkpointing", ()):
+        changes.append({"gradient_checkpointing": True})
+    state = optimizer_state_bytes(node.optim, 10**9, 2048)
+    changes += [{"optim": o} for o in LIGHTER_OPTIMS if o in space.choices.get("optim", ()) and optimizer_state_bytes(o, 10**9, 2048) < state]
+    return [_fitted(space, space.with_changes(node, **change), largest, memory, ceiling_bytes) for change in changes]
 
 
 def _next_preference(space: SearchSpace, name: str, value: Any) -> Any:
