@@ -18,7 +18,7 @@ from typing import Any
 
 from autotune.params import TrialParams
 from autotune.records import ProbeResult, ProbeStatus
-from autotune.search.memory_prior import optimizer_state_bytes
+from autotune.search.memory_prior import optimizer_state_rank
 from autotune.sharding import NONE
 from autotune.space import SearchSpace
 
@@ -172,8 +172,8 @@ def _one_lighter(space: SearchSpace, node: TrialParams, memory: Any, ceiling_byt
     changes: list[dict[str, Any]] = []
     if not node.gradient_checkpointing and True in space.choices.get("gradient_checkpointing", ()):
         changes.append({"gradient_checkpointing": True})
-    state = optimizer_state_bytes(node.optim, 10**9, 2048)
-    changes += [{"optim": o} for o in LIGHTER_OPTIMS if o in space.choices.get("optim", ()) and optimizer_state_bytes(o, 10**9, 2048) < state]
+    state = optimizer_state_rank(node.optim)
+    changes += [{"optim": o} for o in LIGHTER_OPTIMS if o in space.choices.get("optim", ()) and optimizer_state_rank(o) < state]
     return [_fitted(space, space.with_changes(node, **change), largest, memory, ceiling_bytes) for change in changes]
 
 

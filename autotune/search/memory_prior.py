@@ -153,6 +153,12 @@ def optimizer_state_bytes(optim: str, num_parameters: int, hidden_size: int, par
     return int(state)
 
 
+def optimizer_state_rank(optim: str) -> int:
+    """A key that orders optimizers by the memory their state takes (their state for a typical model: 1 B
+    parameters, 2048 wide): the frugal end of a search, which needs no less memory, the expert's lighter step."""
+    return optimizer_state_bytes(optim, 10**9, 2048)
+
+
 def static_memory(dims: ModelDims, precision: str, optim: str, sharding: str = NO_SHARDING, world: int = 1) -> StaticMemory:
     """Weights, gradients, optimizer state and CUDA context on one device for one precision and optimizer, less what
     ``sharding`` partitions over ``world`` ranks or moves to the host (:func:`autotune.sharding.device_shares`;

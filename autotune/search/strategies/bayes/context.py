@@ -12,7 +12,7 @@ import numpy as np
 
 from autotune.params import TrialParams
 from autotune.records import Probe
-from autotune.search.memory_prior import optimizer_state_bytes
+from autotune.search.memory_prior import optimizer_state_rank
 from autotune.search.strategies.base import SearchState
 from autotune.search.strategies.bayes.features import step_time_surrogate
 from autotune.search.strategies.bayes.groups import Groups
@@ -130,6 +130,6 @@ class Context:
         mask = np.ones(grid.shape, dtype=bool)
         if True in grid.values["gradient_checkpointing"]:
             mask = mask & np.array([v is True for v in grid.values["gradient_checkpointing"]]).reshape(grid.broadcast_shape(("gradient_checkpointing",)))
-        states = [optimizer_state_bytes(o, 10**9, 2048) for o in grid.values["optim"]]
+        states = [optimizer_state_rank(o) for o in grid.values["optim"]]
         mask = mask & (np.array(states) == min(states)).reshape(grid.broadcast_shape(("optim",)))
         return mask if any_batch else mask & (self.batch_values == min(grid.values[BATCH]))

@@ -18,7 +18,7 @@ import numpy as np
 from autotune.params import TrialParams, mixed_precision_dtype
 from autotune.records import Probe, ProbeStatus
 from autotune.search.memory import GROUP_KEYS, needs_no_less_memory
-from autotune.search.memory_prior import optimizer_state_bytes
+from autotune.search.memory_prior import optimizer_state_rank
 from autotune.search.strategies.surrogate import ACCUM, BATCH, Grid
 from autotune.sharding import needs_no_less_device_memory
 
@@ -35,7 +35,7 @@ def _needs_no_less(dim: str, x: Any, y: Any) -> bool:
     if dim == "precision":
         return precision_class(x) == precision_class(y)
     if dim == "optim":
-        return optimizer_state_bytes(x, 10**9, 2048) >= optimizer_state_bytes(y, 10**9, 2048)
+        return optimizer_state_rank(x) >= optimizer_state_rank(y)
     if dim == "gradient_checkpointing":
         return bool(y) and not bool(x)
     if dim == "attn_implementation":
