@@ -20,7 +20,7 @@ import autotune.defaults as defaults
 from autotune.errors import DeviceError, UsageError
 from autotune.options import RunOptions
 from autotune.params import PARAM_DEFAULTS, PARAM_NAMES, TrialParams
-from autotune.probe.device import detect_device
+from autotune.probe.device import detect_device, loader_cores
 from autotune.records import DeviceInfo
 from autotune.search.loop import SearchSettings
 from autotune.search.strategies.registry import DEFAULT_STRATEGY, make_strategy
@@ -307,7 +307,7 @@ def plan_run(options: RunOptions) -> RunPlan:
         study_name=study_name,
         settings=SearchSettings(
             memory_ceiling_bytes=ceiling, budget_s=budget_s, n_trials=options.n_trials, trial_timeout_s=trial_timeout_s,
-            seed=options.seed, gpu=device_info.is_cuda,
+            seed=options.seed, gpu=device_info.is_cuda, loader_cores=loader_cores(options.nproc_per_probe * len(gpus or [None])),
         ),
         warmup_steps=options.warmup_steps,
         measure_steps=options.measure_steps,

@@ -505,6 +505,7 @@ def search_draw(strategy: Any, index: int, budget_s: float, seed: int, noise_str
     against the draw's optimum under its ceiling and against the expert rule's configuration."""
     import optuna
 
+    from autotune.probe.device import loader_cores
     from autotune.search.loop import SearchSettings, ranked_configurations, run_search
     from autotune.search.strategies.registry import make_strategy
 
@@ -521,7 +522,9 @@ def search_draw(strategy: Any, index: int, budget_s: float, seed: int, noise_str
     evaluator = CachedReplayEvaluator(table)
     chosen = make_strategy(strategy) if isinstance(strategy, str) else strategy
     study = optuna.create_study(direction="maximize", sampler=chosen.sampler(seed))
-    settings = SearchSettings(memory_ceiling_bytes=d.ceiling_bytes, budget_s=budget_s, seed=seed, min_probe_s=1.0)
+    # The host's cores, as a run reads them (autotune.probe.device.loader_cores).
+    settings = SearchSettings(memory_ceiling_bytes=d.ceiling_bytes, budget_s=budget_s, seed=seed, min_probe_s=1.0,
+                              loader_cores=loader_cores(1, host_cpus=int(d.traits["cores"])))
     started = time.process_time()
     from bench.table_expert import table_expert
 

@@ -4,6 +4,7 @@ pynvml, the DeviceInfo record, and what counts as out of memory."""
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import types
 from dataclasses import dataclass, field
@@ -286,3 +287,12 @@ def test_torch_oom_is_an_oom_and_other_errors_are_not() -> None:
     assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), cuda=True)
     assert not is_out_of_memory(RuntimeError("CUDA error: device-side assert triggered"), cuda=True)
     assert not is_out_of_memory(ValueError("out of memory"), cuda=True)  # text counts only on a RuntimeError
+
+
+def test_loader_workers_share_the_hosts_cores_among_the_processes_training_at_once() -> None:
+    from autotune.probe.device import loader_cores
+
+    assert loader_cores(1, host_cpus=6) == 5  # the training process keeps one
+    assert loader_cores(4, host_cpus=32) == 7  # four ranks (or probes side by side), 8 cores each
+    assert loader_cores(4, host_cpus=2) == 1  # never below one
+    assert 1 <= loader_cores() <= (os.cpu_count() or 1)  # this host's own affinity

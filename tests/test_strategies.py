@@ -401,6 +401,44 @@ def test_bayes_follows_an_input_bound_incumbent_to_loader_workers() -> None:
     assert max(p.dataloader_num_workers for p in fake.calls) == 8  # the loader, not compute, sets the pace
 
 
+@dataclass
+class _Contended(_LoaderBound):
+    """As :class:`_LoaderBound` on a host whose loader has ``cores`` cores: workers past them add nothing and contend."""
+
+    cores: int = 4
+
+    def evaluate(self, params: TrialParams, *, timeout_s: float) -> ProbeResult:
+        self.calls.append(params)
+        self.clock.advance(30.0)
+        workers = params.dataloader_num_workers
+        load_rate = 15.0 * min(workers, self.cores) / (1 + 0.1 * max(workers - self.cores, 0)) if workers else 0.0
+        per_sample = max(1 / 100.0, 1 / load_rate) if workers else 1 / 100.0 + 1 / 15.0
+        return ProbeResult(status="ok", samples_per_s=1 / per_sample, peak_mem_bytes=GiB, wall_s=30.0, step_time_s=params.effective_batch_size * per_sample)
+
+
+def test_bayes_expects_no_gain_from_loader_workers_past_the_hosts_cores() -> None:
+    """Input-bound on a host whose loader has 4 cores: 2 and 4 workers measured (30 and 60 samples/s).
+    Not knowing the cores, 8 workers may load up to compute's 100 samples/s, and bayes asks them;
+    knowing them (a run reads its host's), 8 are expected no faster than 4, and not asked next."""
+    fake = _Contended(cores=4)
+    history = [Probe(i, params, fake.evaluate(params, timeout_s=60.0)) for i, params in enumerate(
+        [TrialParams(precision="bf16", per_device_train_batch_size=16, dataloader_num_workers=w) for w in (2, 4)])]
+    memory = MemoryModel()
+    memory.observe_all((p.params, p.result) for p in history)
+    predicted, proposed = {}, {}
+    for cores in (None, 4):
+        state = SearchState(parse_space(_LOADER_SPACE), 40 * GiB, memory, history, {p.params.key() for p in history}, remaining_s=3600.0,
+                            loader_cores=cores)
+        strategy = BayesStrategy()
+        context = strategy.context(state)
+        mean = np.broadcast_to(throughput.posterior(context, history)[0], context.grid.shape).reshape(-1)
+        eight = context.grid.flat_index(history[1].params.replace(dataloader_num_workers=8))
+        predicted[cores] = math.exp(float(mean[eight]))
+        proposed[cores] = strategy.propose(state).dataloader_num_workers
+    assert predicted[None] > 1.2 * fake.evaluate(history[1].params, timeout_s=60.0).samples_per_s and proposed[None] == 8
+    assert predicted[4] == pytest.approx(history[1].result.samples_per_s, rel=0.05) and proposed[4] != 8
+
+
 _LOADER_SPACE = {"per_device_train_batch_size": [8, 16], "dataloader_num_workers": [0, 2, 4, 8], "precision": ["fp32", "bf16"]}
 
 
@@ -860,6 +898,8 @@ def test_loader_workers_are_asked_at_a_neighbouring_count() -> None:
 
     first = TrialParams(per_device_train_batch_size=16, dataloader_num_workers=2)
     assert [v.dataloader_num_workers for v in coverage.variants(space, first, "dataloader_num_workers", [])] == [8, 4, 0]  # nothing asked: the most first
+    within_five = coverage.variants(space, first, "dataloader_num_workers", [], loader_cores=5)
+    assert [v.dataloader_num_workers for v in within_five] == [4, 0, 8]  # the host's cores known: the most they hold first, past them last
     history = [ran(0, 0), ran(1, 8)]
     assert "dataloader_num_workers" in coverage.unasked(space, incumbent, history)
     assert [v.dataloader_num_workers for v in coverage.variants(space, incumbent, "dataloader_num_workers", history)] == [4]

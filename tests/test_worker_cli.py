@@ -3,6 +3,7 @@ refuse another device kind, and never probe a configuration twice by accident.""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -44,8 +45,10 @@ def test_gpus_of_different_kinds_are_refused(monkeypatch) -> None:
     with pytest.raises(DeviceError, match="different kinds.*one study per kind"):
         plan_run(RunOptions(gpus="0,1", n_trials=1, **COMMON))
     cards["cuda:1"] = cards["cuda:0"]
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
     plan = plan_run(RunOptions(gpus="0,1", n_trials=1, **COMMON))
     assert plan.gpus == [0, 1] and plan.storage == plan_module.WORKERS_STORAGE and plan.device.name == "NVIDIA H100 80GB HBM3"
+    assert plan.settings.loader_cores == 7  # 16 cores, two probes at once, each keeping one for its training process
     with pytest.raises(UsageError, match="drop --device"):
         plan_run(RunOptions(gpus="0", device="cpu", n_trials=1, **COMMON))
 

@@ -40,6 +40,16 @@ def _cpu_info() -> DeviceInfo:
     return DeviceInfo(kind="cpu", name=f"CPU: {name} ({os.cpu_count()} cores)", total_memory_bytes=int(total))
 
 
+def loader_cores(processes: int = 1, host_cpus: int | None = None) -> int:
+    """The CPU cores the DataLoader workers of one probe process have: the cores this process may run on
+    (its affinity, ``host_cpus`` where given) shared by the ``processes`` that train at once (a probe's
+    ranks times the probes running side by side), less the one each training process keeps for itself.
+    PyTorch's DataLoader warns past the affinity's count: more workers than cores contend for them."""
+    if host_cpus is None:
+        host_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, host_cpus // max(1, processes) - 1)
+
+
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 

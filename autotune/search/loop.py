@@ -124,6 +124,7 @@ class SearchSettings:
     heartbeat_grace_s: float = schema.HEARTBEAT_GRACE_S  # a RUNNING trial silent this long is failed (its worker died) and retried once
     claim_settle_s: float = schema.CLAIM_SETTLE_S  # a claim waits this long at most for an older trial without a configuration yet
     gpu: bool = True  # the probes run on a GPU: what the ranking's prior prefers among near-ties (ranking.prior_rank)
+    loader_cores: int | None = None  # CPU cores one probe process's loader workers have (autotune.probe.device.loader_cores); None: unknown
 
 
 @dataclass(frozen=True)
@@ -381,7 +382,7 @@ def run_search(
     outcome = SearchOutcome(stopped_because="budget")
     wall_times_s: list[float] = []
     state = SearchState(space, settings.memory_ceiling_bytes, memory, synced.history, SeenKeys(synced.seen), baseline=baseline,
-                        expert=expert, gpu=settings.gpu)
+                        expert=expert, gpu=settings.gpu, loader_cores=settings.loader_cores)
     if strategy is not None:
         study.sampler = strategy.sampler(settings.seed)
     distributions = _distributions(space)

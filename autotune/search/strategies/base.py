@@ -66,6 +66,7 @@ class SearchState:
     # a strategy that knows which of its probes pay more than that (bayes's polish) spends it on those only.
     kept_s: float = 0.0
     gpu: bool = True  # the probes run on a GPU (the ranking's prior among near-ties)
+    loader_cores: int | None = None  # CPU cores one probe process's loader workers have; None: unknown
 
     def feasible(self, history: Sequence[Probe] | None = None) -> list[Configuration]:
         """The configurations that fit, fastest mean first: the one ranking rule, over ``history`` (default: the probes that ran)."""

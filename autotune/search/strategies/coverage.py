@@ -61,11 +61,13 @@ def _neighbours(choices: Sequence[Any], value: Any) -> list[Any]:
     return [ordered[j] for j in (i + 1, i - 1) if 0 <= j < len(ordered)]
 
 
-def variants(space: SearchSpace, incumbent: TrialParams, dimension: str, history: Iterable[Probe] = ()) -> list[TrialParams]:
+def variants(space: SearchSpace, incumbent: TrialParams, dimension: str, history: Iterable[Probe] = (),
+             loader_cores: int | None = None) -> list[TrialParams]:
     """The incumbent with ``dimension`` changed, the most informative value first: the most loader
-    workers (a loader-bound run gains most there; once a count was asked, its neighbours), the next
-    accumulation up, the prior's order for the optimizer and attention kernel, the next compile mode
-    (uncompiled last), checkpointing flipped."""
+    workers (a loader-bound run gains most there; once a count was asked, its neighbours), where
+    ``loader_cores`` is known the most that do not outnumber those cores, the next accumulation up,
+    the prior's order for the optimizer and attention kernel, the next compile mode (uncompiled
+    last), checkpointing flipped."""
     current = getattr(incumbent, dimension)
     choices = [v for v in space.choices[dimension] if v != current]
     if dimension in _PEAKED and any(name == dimension for name, _ in _alone(incumbent, history)):
@@ -78,6 +80,8 @@ def variants(space: SearchSpace, incumbent: TrialParams, dimension: str, history
     else:
         preferred = EXPERT_PREFERENCES.get(dimension, ())
         ordered = sorted(choices, key=lambda v: preferred.index(v) if v in preferred else len(preferred))
+    if dimension == "dataloader_num_workers" and loader_cores:  # the most within the cores first; past them, the fewest
+        ordered = sorted(ordered, key=lambda v: (v > loader_cores, v if v > loader_cores else -v))
     return [space.with_changes(incumbent, **{dimension: v}) for v in ordered]
 
 

@@ -40,9 +40,11 @@ class Context:
     group_params: dict[int, TrialParams] = field(default_factory=dict)  # per group, a configuration of it
     cap: int | None = None  # the surrogate's feature of one loader worker's rate, if the space has workers
     user_space: np.ndarray | bool = True  # grid-broadcastable: no value only the baseline's (SearchSpace.reference_values)
+    loader_cores: int | None = None  # what the throughput model's loader prior was built with
 
     @classmethod
-    def of(cls, space: SearchSpace) -> Context:
+    def of(cls, space: SearchSpace, loader_cores: int | None = None) -> Context:
+        """``loader_cores``: the CPU cores one probe process's loader workers have (None: unknown)."""
         grid = Grid(space)
 
         def accum_of(v: dict[str, Any]) -> int:
@@ -52,10 +54,10 @@ class Context:
         accum_values = sorted({grid.accumulation(b, a) for b in grid.values[BATCH] for a in grid.values.get(ACCUM, (1,))})
         batch_values = grid.along((BATCH,), lambda **v: float(v[BATCH]))
         accum_grid = grid.along(accum_dims, lambda **v: float(accum_of(v))) if accum_dims else np.ones(grid.broadcast_shape(()))
-        surrogate = step_time_surrogate(grid, accum_dims, accum_values, accum_of, batch_values, accum_grid)
+        surrogate = step_time_surrogate(grid, accum_dims, accum_values, accum_of, batch_values, accum_grid, loader_cores)
         groups = Groups.of(grid)
         other_axes = tuple(i for i, n in enumerate(grid.names) if n not in groups.dims)
-        context = cls(grid, surrogate, groups, batch_values, accum_grid, other_axes)
+        context = cls(grid, surrogate, groups, batch_values, accum_grid, other_axes, loader_cores=loader_cores)
         if CAP in surrogate.names:
             context.cap = surrogate.index_of(CAP)
         for name, values in space.reference_values.items():

@@ -45,7 +45,8 @@ _HINGES = (16.0, 32.0, 64.0)  # throughput may fall past these sizes
 # minimum, :data:`~autotune.search.strategies.steptime.CAP`; its prior is set from the measurements:
 # one worker loads CAP_PRIOR[0] (log) above their median). Loading in the training process (0 workers)
 # is serial with compute: a part of the step's time, ``A x b / (rate x exp(loading))``, a priori
-# about as fast as one worker.
+# about as fast as one worker. Where the host's cores for them are known, more workers than the most
+# within those cores a priori load no faster (they contend for the same cores).
 WORKER_SCALING = 0.9
 CAP_PRIOR = (math.log(2.0), 1.5)
 CAP_UNKNOWN = 30.0  # the cap's prior mean before anything was measured: none
@@ -125,9 +126,10 @@ def _value_blocks(builder: BlockBuilder, dim: str, prefix: str, mean_of: Callabl
 
 
 def step_time_surrogate(grid: Grid, accum_dims: tuple[str, ...], accum_values: list[int], accum_of: Callable[[dict[str, Any]], int],
-                        batch_values: np.ndarray, accum_grid: np.ndarray) -> StepTimeSurrogate:
+                        batch_values: np.ndarray, accum_grid: np.ndarray, loader_cores: int | None = None) -> StepTimeSurrogate:
     """The step-time model over ``grid``: per-value effects on a micro-step's overhead and
-    per-sample time, the optimizer's on its step, and small residuals."""
+    per-sample time, the optimizer's on its step, and small residuals; ``loader_cores``: the CPU
+    cores one probe process's loader workers have (None: unknown, no limit)."""
     terms = {name: BlockBuilder(grid) for name in ("overhead", "per_sample", "step", LINEAR)}
     for name, builder in terms.items():
         if name != LINEAR:
@@ -177,7 +179,8 @@ def step_time_surrogate(grid: Grid, accum_dims: tuple[str, ...], accum_values: l
         segments = list(zip(logs, logs[1:]))
         terms[CAP].add((WORKERS,), [f"{CAP}:slope{k}" for k in range(len(segments))],
                        lambda v: [max(0.0, min(math.log(v[WORKERS]), hi) - lo) if v[WORKERS] > 0 else 0.0 for lo, hi in segments], 0.0, CAP_SLOPE_SD)
-        cap_offset = grid.along((WORKERS,), lambda **v: WORKER_SCALING * math.log(v[WORKERS]) if v[WORKERS] > 0 else OFF)
+        within = max((x for x in grid.values[WORKERS] if 0 < x <= loader_cores), default=loader_cores) if loader_cores else math.inf
+        cap_offset = grid.along((WORKERS,), lambda **v: WORKER_SCALING * math.log(min(v[WORKERS], within)) if v[WORKERS] > 0 else OFF)
         if 0 in grid.values[WORKERS]:
             terms[LOADING] = BlockBuilder(grid)
             terms[LOADING].add((), [CAP, LOADING], lambda v: [-1.0, -1.0], [CAP_UNKNOWN, 0.0], [CAP_PRIOR[1], LOADING_SD])

@@ -40,7 +40,7 @@ def coverage_question(context: Context, state: SearchState, feasible: list[Confi
     questions: list[tuple[float, int, TrialParams]] = []
     evidence = MemoryEvidence.of(context.groups, grid, state.history, state.ceiling_bytes)
     for rank, dimension in enumerate(coverage.unasked(state.space, incumbent, state.history)):
-        for variant in coverage.variants(state.space, incumbent, dimension, state.history):
+        for variant in coverage.variants(state.space, incumbent, dimension, state.history, state.loader_cores):
             if dimension == "gradient_checkpointing" and variant.gradient_checkpointing:  # its point: a larger batch
                 largest = state.space.with_changes(variant, per_device_train_batch_size=max(grid.values[BATCH]))
                 variant = likely_batch(context, state, evidence, largest) or variant

@@ -39,8 +39,8 @@ class BayesStrategy(Strategy):
 
     def context(self, state: SearchState) -> Context:
         """The grid, features and caches of ``state.space`` (built once per space)."""
-        if self._context is None or self._context.grid.space != state.space:
-            self._context = Context.of(state.space)
+        if self._context is None or self._context.grid.space != state.space or self._context.loader_cores != state.loader_cores:
+            self._context = Context.of(state.space, state.loader_cores)
         return self._context
 
     def prune(self, params: TrialParams, state: SearchState) -> str | None:
