@@ -80,7 +80,7 @@ _SALT = 0x6E2  # keeps this generator's random streams apart from any other seed
 RANGES = {"gen2-heldout": 0, "gen2-heldout2": 200_000, "gen2-heldout3": 400_000, "gen2-heldout4": 600_000, "gen2-heldout5": 800_000, "gen2-heldout6": 1_000_000, "gen2-heldout7": 1_200_000, "gen2-heldout8": 1_400_000,
           "gen2-heldout9": 1_600_000, "gen2-heldout10": 1_800_000, "gen2-heldout11": 2_000_000, "gen2-heldout12": 2_200_000, "gen2-heldout13": 2_400_000, "gen2-heldout14": 2_600_000,
           "gen2-heldout15": 2_800_000, "gen2-heldout16": 3_000_000, "gen2-heldout17": 3_200_000, "gen2-heldout18": 3_400_000,
-          "gen2-heldout19": 3_600_000, "gen2-heldout20": 3_800_000}
+          "gen2-heldout19": 3_600_000, "gen2-heldout20": 3_800_000, "gen2-heldout21": 4_000_000}
 # 100000-100001: a smoke test of the harness, seen; gen2-heldout4: for the simplified bayes package (2026-11-27);
 # gen2-heldout5: the correlated-misses rule of P(fits), with against without (2026-11-27, defined before any run);
 # gen2-heldout6: the figures of whatever that comparison keeps, run once on 2026-11-28 (spent);
@@ -98,7 +98,8 @@ RANGES = {"gen2-heldout": 0, "gen2-heldout2": 200_000, "gen2-heldout3": 400_000,
 # gen2-heldout18: spent on 2026-11-29 (feb47ef's figures, bayes alone, with the replays' start-up and warm-up times and the model's
 # dimensions, run once; no before/after: 5c3683a's strategy with model dims rejects up to 3,017 proposals a search);
 # gen2-heldout19: spent on 2026-11-29 (88d0977's figures, bayes alone, run once; no before/after: time);
-# gen2-heldout20: the next comparison (defined before any run)
+# gen2-heldout20: spent on 2026-11-29 (d913c08's figures, the loader's cores known, bayes alone, run once); traced after (design data);
+# gen2-heldout21: the next comparison (defined before any run)
 
 GRID: dict[str, tuple[Any, ...]] = {
     "per_device_train_batch_size": (1, 2, 4, 8, 16, 32, 64, 128),
@@ -483,9 +484,17 @@ class CachedReplayEvaluator(ReplayEvaluator):
     checkpointed graph pays in full every time). A compile that crashed leaves nothing cached.
     Everything else is the replay's own :meth:`ReplayEvaluator.evaluate`; only :meth:`probe_cost_s` differs."""
 
-    def __init__(self, table: ReplayTable) -> None:
+    def __init__(self, table: ReplayTable, log: list[Any] | None = None) -> None:
         super().__init__(table)
         self._compiled: set[tuple[Any, ...]] = set()
+        self._log = log
+
+    def evaluate(self, params: TrialParams, *, timeout_s: float) -> Any:
+        started_s = self.clock.now()
+        result = super().evaluate(params, timeout_s=timeout_s)
+        if self._log is not None:
+            self._log.append((started_s, params, result))
+        return result
 
     def probe_cost_s(self, params: TrialParams, row: pd.Series) -> float:
         if params.torch_compile == "off":
@@ -500,9 +509,10 @@ class CachedReplayEvaluator(ReplayEvaluator):
 # ---------------------------------------------------------------------- one scored search
 
 
-def search_draw(strategy: Any, index: int, budget_s: float, seed: int, noise_stream: int = 0) -> dict[str, Any]:
+def search_draw(strategy: Any, index: int, budget_s: float, seed: int, noise_stream: int = 0, log: list[Any] | None = None) -> dict[str, Any]:
     """One search of ``strategy`` on draw ``index``; the returned configuration scored noise-free,
-    against the draw's optimum under its ceiling and against the expert rule's configuration."""
+    against the draw's optimum under its ceiling and against the expert rule's configuration.
+    ``log``, if given, receives ``(virtual start s, configuration, result)`` per probe."""
     import optuna
 
     from autotune.probe.device import loader_cores
@@ -519,7 +529,7 @@ def search_draw(strategy: Any, index: int, budget_s: float, seed: int, noise_str
     except ValueError:  # no configuration of the rule's family runs on this draw: nothing to be slower than
         expert = None
     expert_sps = d.true_samples_per_s(expert) if expert is not None else 0.0
-    evaluator = CachedReplayEvaluator(table)
+    evaluator = CachedReplayEvaluator(table, log)
     chosen = make_strategy(strategy) if isinstance(strategy, str) else strategy
     study = optuna.create_study(direction="maximize", sampler=chosen.sampler(seed))
     # The host's cores, as a run reads them (autotune.probe.device.loader_cores).
@@ -528,9 +538,10 @@ def search_draw(strategy: Any, index: int, budget_s: float, seed: int, noise_str
     started = time.process_time()
     from bench.table_expert import table_expert
 
-    # The search runs the product's own expert rule (its batch from the table's recorded peaks), as a run does.
-    # and its memory model starts from the model's dimensions, as a run's does.
-    outcome = run_search(study, space, evaluator, settings, baseline=space.baseline(), expert=table_expert(table, d.ceiling_bytes),
+    # The search runs the product's own expert rule, its batch from the memory model of the model's dimensions
+    # (a crashed row's recorded peak says nothing of fitting), and its memory model starts from them, as a run's do.
+    expert_memory = MemoryModel(d.model_dims(), int(d.traits["seq"]))
+    outcome = run_search(study, space, evaluator, settings, baseline=space.baseline(), expert=table_expert(table, d.ceiling_bytes, expert_memory),
                          clock=evaluator.clock, strategy=chosen, memory=MemoryModel(d.model_dims(), int(d.traits["seq"])))
     cpu_s = time.process_time() - started
     ranked = ranked_configurations(study, d.ceiling_bytes)

@@ -22,11 +22,13 @@ class TableMemory:
         return fitting
 
 
-def table_expert(table: Any, ceiling_bytes: int) -> Any:
-    """The expert rule's configuration in a replay table's space, its batch from the table's recorded peaks."""
+def table_expert(table: Any, ceiling_bytes: int, memory: Any = None) -> Any:
+    """The expert rule's configuration in a replay table's space, its batch from ``memory`` (a
+    :class:`autotune.search.memory.MemoryModel`, where the replay knows the model's dimensions, as a run
+    does), else from the table's recorded peaks."""
     from autotune.search.expert import expert_params
 
     space = table.space()
     default = space.baseline()
     base = default if space.contains(default) else space.complete({n: space.choices[n][0] for n in space.free_params})
-    return expert_params(space, base, TableMemory(table), ceiling_bytes)
+    return expert_params(space, base, memory if memory is not None else TableMemory(table), ceiling_bytes)

@@ -5,6 +5,7 @@
     python -m bench.trace 24,35,91                    # several draws, one after another
     python -m bench.trace 13 --noise-stream 1         # the search bench.search --noise-stream 1 scored
     python -m bench.trace 0-99 --calibration          # bayes only: how well its model predicted its probes
+    python -m bench.trace 2200112 --gen2              # a draw of the second generator (bench.landscapes2)
 
 The search is the one ``python -m bench.search --family ...`` scores for that draw (same strategy,
 budget and seed: the draw's index in its range), so a figure in its ``--details`` CSV can be
@@ -79,6 +80,41 @@ def trace(draw: int, budget_s: float, strategy: str = "bayes", out: Any = None, 
         factor = float(changed.samples_per_s[0]) / found_sps
         row["missed"].append((name, value, factor, runs_and_fits))
         print(f"missed   {name}={value}: x{factor:.3f}{'' if runs_and_fits else ' !'}", file=out)
+    return row
+
+
+def trace_gen2(draw: int, budget_s: float, strategy: str = "bayes", out: Any = None, noise_stream: int = 0) -> dict[str, Any]:
+    """As :func:`trace`, on a draw of the second generator (:mod:`bench.landscapes2`): the search
+    ``bench.search --family gen2-...`` scores (same seed), probe by probe, with the draw's description
+    (host cores, input-bound, failures, its expert pick) and the one-value changes it missed."""
+    from bench.landscapes2 import GRID, _cached_draw, _python, describe, search_draw
+
+    out = out if out is not None else sys.stdout
+    log: list[Any] = []
+    row = search_draw(strategy, draw, budget_s, draw % RANGE_SPAN, noise_stream=noise_stream, log=log)
+    d = _cached_draw(draw, noise_stream)
+    best = d.true_best()
+    best_sps = float(best["true_samples_per_s"])
+    print(describe(d), file=out)
+    for started_s, params, result in log:
+        print(f"{started_s:7.0f} +{result.wall_s or 0.0:5.0f} s  {result.status.value:<9} {params.short():<84} "
+              f"{result.samples_per_s or 0.0:9.2f}  x{d.true_samples_per_s(params) / best_sps:5.3f}  "
+              f"{(result.peak_mem_bytes or 0) / GiB:6.1f} GiB", file=out)
+    row["missed"] = []
+    found = next((p for _, p, _ in log if p.short() == row["found"]), None)
+    row["found_params"] = found
+    if found is None:
+        print("found    nothing", file=out)
+        return row
+    print(f"found    {row['found']}  x{row['ratio']:.3f} of the optimum, the expert pick x{row['expert_ratio']:.3f}", file=out)
+    found_sps = d.true_samples_per_s(found)
+    for name in GRID:
+        value = _python(best[name])
+        if getattr(found, name) == value:
+            continue
+        changed = d.true_samples_per_s(found.replace(**{name: value}))
+        row["missed"].append((name, value, changed / found_sps, changed > 0))
+        print(f"missed   {name}={value}: x{changed / found_sps:.3f}{'' if changed > 0 else ' !'}", file=out)
     return row
 
 
@@ -166,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--strategy", default="bayes", help="a strategy name (default: bayes)")
     parser.add_argument("--noise-stream", type=int, default=0, help="redraw the probes' noise, as bench.search --noise-stream (default: 0)")
     parser.add_argument("--calibration", action="store_true", help="bayes's prediction errors over the draws instead of traces")
+    parser.add_argument("--gen2", action="store_true", help="draws of the second generator (bench.landscapes2), e.g. 2200112")
     args = parser.parse_args(argv)
     from bench.search import noise_stream_problem
 
@@ -182,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     for i, draw in enumerate(draws):
         if i:
             print()
-        trace(draw, parse_duration_s(args.budget), args.strategy, noise_stream=args.noise_stream)
+        (trace_gen2 if args.gen2 else trace)(draw, parse_duration_s(args.budget), args.strategy, noise_stream=args.noise_stream)
     return 0
 
 

@@ -24,6 +24,24 @@ def test_the_trace_is_the_search_bench_search_scores() -> None:
     assert any(line.startswith("found ") and row["found"] in line for line in lines)
 
 
+def test_a_second_generator_trace_is_the_search_bench_search_scores_and_its_misses_are_one_value_changes() -> None:
+    from bench.landscapes2 import draw, search_draw
+    from bench.trace import trace_gen2
+
+    index = 900_006  # a range no benchmark reads
+    out = io.StringIO()
+    row = trace_gen2(index, BUDGET_S, out=out)
+    scored = search_draw("bayes", index, BUDGET_S, index % 200_000)
+    assert (row["ratio"], row["found"], row["probes"]) == (scored["ratio"], scored["found"], scored["probes"])
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith(f"gen2-v1-draw{index}:") and "cores" in lines[0]
+    assert len([line for line in lines if " s  " in line and line.endswith("GiB")]) >= row["probes"] > 0
+    d = draw(index)
+    for name, value, factor, runs in row["missed"]:
+        changed = d.true_samples_per_s(row["found_params"].replace(**{name: value}))
+        assert runs == (changed > 0) and factor == pytest.approx(changed / d.true_samples_per_s(row["found_params"]))
+
+
 def test_a_trace_on_another_noise_stream_is_that_streams_scored_search() -> None:
     out, default_out = io.StringIO(), io.StringIO()
     row = trace(2, BUDGET_S, out=out, noise_stream=1)

@@ -275,6 +275,30 @@ def test_search_draw_scores_against_the_optimum_and_the_expert():
     assert row["over_ceiling"] == 0
 
 
+def test_the_products_expert_in_a_replay_takes_its_batch_from_the_memory_model_as_a_run_does(monkeypatch):
+    """The product's expert configuration (a search's second probe) gets its batch from the memory model of the
+    drawn model's dimensions, as a run's does: not from the table's recorded peaks, which a run never has (and
+    where the configuration crashes, as bf16 does on this pre-Ampere-like card, say nothing of fitting)."""
+    from autotune.search.memory import MemoryModel
+
+    index = 900_006
+    d = _draw(index)
+    calls: list[TrialParams] = []
+    original = CachedReplayEvaluator.evaluate
+
+    def recording(self, params, **kwargs):
+        calls.append(params)
+        return original(self, params, **kwargs)
+
+    monkeypatch.setattr(CachedReplayEvaluator, "evaluate", recording)
+    search_draw("bayes", index, 300.0, seed=0)
+    expert = calls[1]
+    batches = sorted(d.table().space().choices["per_device_train_batch_size"])
+    predicted = MemoryModel(d.model_dims(), int(d.traits["seq"])).largest_batch_that_fits(expert, batches, d.ceiling_bytes)
+    assert d.traits["pre_ampere"] and expert.precision == "bf16" and expert.torch_compile != "off"
+    assert expert.per_device_train_batch_size == predicted
+
+
 @pytest.mark.parametrize("index", [900_005])
 def test_every_draw_has_a_runnable_optimum(index):
     d = _draw(index)
