@@ -117,6 +117,8 @@ EXPERT_ATTENTION = ("flash_attention_2", "sdpa", "eager")
 EXPERT_OPTIMS = ("adamw_torch_fused", "adamw_bnb_8bit", "adafactor")  # the rule's, then lighter ones where it cannot fit
 EXPERT_COMPILE = ("inductor", "off")
 EXPERT_WORKERS = 4
+# A row runs out of memory over the ceiling less fragmentation x a factor drawn per row from this range.
+MARGIN_SPREAD = (0.5, 1.5)
 
 
 @dataclass
@@ -162,6 +164,15 @@ class Draw:
         frame = self.frame()
         ok = frame[(frame["status"] == "ok") & (frame["true_peak_mem_bytes"] <= self.ceiling_bytes)]
         return ok.loc[ok["true_samples_per_s"].idxmax()]
+
+    def margin_proof_best_sps(self) -> float:
+        """The noise-free samples/s of the fastest configuration that runs and fits under the ceiling
+        whatever its row's out-of-memory margin (each row draws its own: the ceiling less
+        :data:`MARGIN_SPREAD` x the draw's fragmentation), 0 where none does."""
+        frame = self.frame()
+        proof = ~frame["status"].isin(["crash", "diverged"]) & (
+            frame["true_peak_mem_bytes"] <= self.ceiling_bytes * (1 - self.traits["fragmentation"] * MARGIN_SPREAD[1]))
+        return float(frame.loc[proof, "true_samples_per_s"].max()) if proof.any() else 0.0
 
     def true_samples_per_s(self, params: TrialParams) -> float:
         """Noise-free samples/s of ``params`` (0 where it does not run or does not fit)."""
@@ -381,7 +392,7 @@ def _statuses(t: dict[str, Any], g: dict[str, np.ndarray], peak: np.ndarray, rng
         crash |= comp != "off"
     elif t["compile_crash"] == "max-autotune":
         crash |= comp == "inductor:max-autotune"
-    margin = t["ceiling_bytes"] * (1 - t["fragmentation"] * rng.uniform(0.5, 1.5, len(prec)))
+    margin = t["ceiling_bytes"] * (1 - t["fragmentation"] * rng.uniform(*MARGIN_SPREAD, len(prec)))
     oom = ~crash & (peak > margin)
     diverged = ~crash & ~oom & (prec == "fp16") if t["fp16_diverges"] else np.zeros(len(prec), dtype=bool)
     status[crash] = "crash"
@@ -396,7 +407,7 @@ def _build_frame(d: Draw) -> pd.DataFrame:
         # Input-bound: the loader's cost is set against the best compute this draw reaches under its cap,
         # so that about workers_needed workers keep up with it and fewer leave the GPU waiting.
         free = model({**t, "loader_s_per_sample": 1e-12}, g)
-        fits = free["peak_bytes"] <= t["ceiling_bytes"] * (1 - t["fragmentation"] * 1.5)
+        fits = free["peak_bytes"] <= t["ceiling_bytes"] * (1 - t["fragmentation"] * MARGIN_SPREAD[1])
         best = float(np.max(np.where(fits, free["samples_per_s"], 0.0))) or 1.0
         t["loader_s_per_sample"] = t["workers_needed"] / best
         d.traits["loader_s_per_sample"] = t["loader_s_per_sample"]
@@ -602,11 +613,35 @@ def describe(d: Draw) -> str:
     return "\n".join(lines)
 
 
+def margin_proof_figures(details: pd.DataFrame) -> dict[str, float]:
+    """Median, 5th percentile, worst and draws below 0.95 of ``bench.search --details`` rows (one strategy and
+    budget) scored against each draw's :meth:`Draw.margin_proof_best_sps` instead of its optimum (a returned
+    row faster than that, one that fitted by its margin's luck, counts as 1)."""
+    ratios = []
+    for _, row in details.iterrows():
+        d = draw(int(row["draw"]))
+        proof_sps = d.margin_proof_best_sps()
+        found_sps = float(row["ratio"]) * float(d.true_best()["true_samples_per_s"])
+        ratios.append(min(1.0, found_sps / proof_sps) if proof_sps > 0 else 1.0)
+    values = np.array(ratios)
+    return {"median": round(float(np.median(values)), 3), "p5": round(float(np.percentile(values, 5)), 3),
+            "worst": round(float(values.min()), 3), "below_095": int((values < 0.95).sum())}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench.landscapes2", description=__doc__.splitlines()[0])
-    parser.add_argument("draw", type=int)
+    parser.add_argument("draw", type=int, nargs="?", default=None)
     parser.add_argument("--write", default=None, help="write the draw's replay table here (.csv or .csv.gz)")
+    parser.add_argument("--margin-proof", default=None, metavar="DETAILS.csv",
+                        help="score a bench.search --details file of this generator against each draw's optimum that fits whatever its margin")
     args = parser.parse_args(argv)
+    if args.margin_proof:
+        details = pd.read_csv(args.margin_proof)
+        for (strategy, budget_s), rows in details.groupby(["strategy", "budget_s"]):
+            print(f"{strategy} {budget_s:.0f} s: against the margin-proof optimum {margin_proof_figures(rows)}")
+        return 0
+    if args.draw is None:
+        parser.error("give a draw number, or --margin-proof DETAILS.csv")
     d = draw(args.draw)
     print(describe(d))
     if args.write:

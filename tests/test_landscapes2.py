@@ -299,6 +299,23 @@ def test_the_products_expert_in_a_replay_takes_its_batch_from_the_memory_model_a
     assert expert.per_device_train_batch_size == predicted
 
 
+def test_the_margin_proof_optimum_runs_whatever_the_margin_and_scores_details_against_it():
+    from bench.landscapes2 import MARGIN_SPREAD, margin_proof_figures
+
+    for index in (900_000, 900_006):
+        d = _draw(index)
+        frame = d.frame()
+        under = frame["true_peak_mem_bytes"] <= d.ceiling_bytes * (1 - d.traits["fragmentation"] * MARGIN_SPREAD[1])
+        runs = ~frame["status"].isin(["crash", "diverged"])
+        assert (frame.loc[under & runs, "status"] == "ok").all()  # no row under it ran out of memory
+        assert 0 < d.margin_proof_best_sps() <= float(d.true_best()["true_samples_per_s"])
+    best = _draw(900_000)
+    proof_share = best.margin_proof_best_sps() / float(best.true_best()["true_samples_per_s"])
+    details = pd.DataFrame({"draw": [900_000, 900_000], "ratio": [1.0, 0.5 * proof_share]})
+    figures = margin_proof_figures(details)
+    assert figures["median"] == pytest.approx(0.75, abs=1e-3) and figures["worst"] == pytest.approx(0.5, abs=1e-3)
+
+
 @pytest.mark.parametrize("index", [900_005])
 def test_every_draw_has_a_runnable_optimum(index):
     d = _draw(index)
