@@ -307,7 +307,7 @@ def plan_run(options: RunOptions) -> RunPlan:
         study_name=study_name,
         settings=SearchSettings(
             memory_ceiling_bytes=ceiling, budget_s=budget_s, n_trials=options.n_trials, trial_timeout_s=trial_timeout_s,
-            seed=options.seed, gpu=device_info.is_cuda, loader_cores=loader_cores(options.nproc_per_probe * len(gpus or [None])),
+            seed=options.seed, gpu=device_info.is_cuda, loader_cores=loader_cores(_processes_on_host(options, gpus)),
         ),
         warmup_steps=options.warmup_steps,
         measure_steps=options.measure_steps,
@@ -331,6 +331,19 @@ def plan_run(options: RunOptions) -> RunPlan:
     if options.study is None:
         plan = dataclasses.replace(plan, study_name=opening.own_study_name(plan.storage, plan.study_name, plan.study_attrs(None)))
     return plan
+
+
+def _processes_on_host(options: RunOptions, gpus: list[int] | None) -> int:
+    """The training processes that share this host's cores while a probe runs: a probe's ranks, times the
+    workers probing side by side (one per group of ``--nproc-per-probe`` GPUs under ``--gpus``; a worker
+    those started reads their count from :data:`autotune.workers.HOST_WORKERS_ENV`)."""
+    import os
+
+    from autotune.workers import HOST_WORKERS_ENV
+
+    if gpus:
+        return max(len(gpus), options.nproc_per_probe)
+    return options.nproc_per_probe * max(1, int(os.environ.get(HOST_WORKERS_ENV) or 1))
 
 
 def _trainer_ref(options: RunOptions) -> Any:

@@ -41,6 +41,7 @@ from autotune.studies import reading, schema
 from autotune.studies.settings import StudySettings
 
 PARENT_RUN_ENV = "AUTOTUNE_PARENT_RUN"  # set for workers that `autotune run --gpus` starts: they die with it
+HOST_WORKERS_ENV = "AUTOTUNE_HOST_WORKERS"  # set for workers started together: how many probe side by side on this host
 FOLLOW_POLL_S = 1.0
 MAX_GPUS = 64
 
@@ -208,7 +209,7 @@ def run_workers(
         The search's outcome as the progress display saw it (probes, re-measures, OOM probes).
     """
     make = command or (lambda device: worker_command(storage, study.study_name, device, n_trials=n_trials))
-    env = {**os.environ, PARENT_RUN_ENV: str(os.getpid())}
+    env = {**os.environ, PARENT_RUN_ENV: str(os.getpid()), HOST_WORKERS_ENV: str(len(devices))}
     procs = [subprocess.Popen(make(device), env=env, stdin=subprocess.DEVNULL) for device in devices]
     outcome = SearchOutcome(stopped_because="n_trials" if n_trials is not None else "budget")
     shown: set[int] = {p.number for p in reading.probes_in(reading.read_trials(study))}  # resumed ones are not news

@@ -125,6 +125,20 @@ def test_a_run_and_a_joining_worker_are_one_search(tmp_path) -> None:
     assert len(counts) >= 3  # the run's probes and the worker's
 
 
+def test_workers_started_together_share_the_hosts_cores_for_their_loaders(tmp_path, monkeypatch) -> None:
+    from autotune.workers import HOST_WORKERS_ENV
+
+    shares = tmp_path / "shares"
+    script = f"import os, sys; open(sys.argv[1], 'a').write(os.environ[{HOST_WORKERS_ENV!r}] + ' ')"
+    run_workers(optuna.create_study(), "unused", ["cpu", "cpu", "cpu"], 1, command=lambda device: [sys.executable, "-c", script, str(shares)])
+    assert shares.read_text().split() == ["3", "3", "3"]
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setenv(HOST_WORKERS_ENV, "3")  # one of those three workers plans its run
+    assert plan_run(RunOptions(device="cpu", n_trials=1, **COMMON)).settings.loader_cores == 4  # 16 cores: 5 each, less the trainer's own
+    monkeypatch.delenv(HOST_WORKERS_ENV)
+    assert plan_run(RunOptions(device="cpu", n_trials=1, **COMMON)).settings.loader_cores == 15
+
+
 @pytest.mark.slow
 def test_run_workers_starts_one_worker_per_device_and_follows_the_study(tmp_path) -> None:
     storage = f"sqlite:///{tmp_path / 'a.db'}"
