@@ -32,6 +32,7 @@ looking at it.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -55,32 +56,17 @@ def trace(draw: int, budget_s: float, strategy: str = "bayes", out: Any = None, 
     true_params, true_sps = landscape.true_best()
     print(landscape.shape.describe(), file=out)
     print(f"optimum  {true_params.short()}  {true_sps:.2f} samples/s", file=out)
-    for started_s, params, result in log:
+
+    def probe(params: Any, result: Any) -> str:  # the noise-free samples/s and peak
         noise_free = landscape.noise_free(params)
-        print(
-            f"{started_s:7.0f} +{result.wall_s or 0.0:5.0f} s  {result.status.value:<9} {params.short():<78} "
-            f"{result.samples_per_s or 0.0:9.2f}  x{float(noise_free.samples_per_s[0]) / true_sps:5.3f}  "
-            f"{float(noise_free.peak_bytes[0]) / GiB:6.1f} GiB",
-            file=out,
-        )
-    row["missed"] = []
-    found = next((p for _, p, _ in log if p.short() == row["found"]), None)
-    row["found_params"] = found
-    if found is None:
-        print("found    nothing", file=out)
-        return row
-    print(f"found    {row['found']}  x{row['ratio']:.3f} of the optimum", file=out)
-    found_sps = float(landscape.noise_free(found).samples_per_s[0])
-    for name in FAMILY_PARAMS:
-        value = getattr(true_params, name)
-        if getattr(found, name) == value:
-            continue
-        changed = landscape.noise_free(found.replace(**{name: value}))
-        runs_and_fits = int(changed.status[0]) == OK and float(changed.peak_bytes[0]) <= landscape.ceiling_bytes
-        factor = float(changed.samples_per_s[0]) / found_sps
-        row["missed"].append((name, value, factor, runs_and_fits))
-        print(f"missed   {name}={value}: x{factor:.3f}{'' if runs_and_fits else ' !'}", file=out)
-    return row
+        return f"{result.samples_per_s or 0.0:9.2f}  x{float(noise_free.samples_per_s[0]) / true_sps:5.3f}  {float(noise_free.peak_bytes[0]) / GiB:6.1f} GiB"
+
+    def changed(found: Any, name: str, value: Any) -> tuple[float, bool]:
+        other = landscape.noise_free(found.replace(**{name: value}))
+        runs_and_fits = int(other.status[0]) == OK and float(other.peak_bytes[0]) <= landscape.ceiling_bytes
+        return float(other.samples_per_s[0]) / float(landscape.noise_free(found).samples_per_s[0]), runs_and_fits
+
+    return _print_search(out, row, log, probe, "", {n: getattr(true_params, n) for n in FAMILY_PARAMS}, changed)
 
 
 def trace_gen2(draw: int, budget_s: float, strategy: str = "bayes", out: Any = None, noise_stream: int = 0) -> dict[str, Any]:
@@ -96,25 +82,37 @@ def trace_gen2(draw: int, budget_s: float, strategy: str = "bayes", out: Any = N
     best = d.true_best()
     best_sps = float(best["true_samples_per_s"])
     print(describe(d), file=out)
+
+    def probe(params: Any, result: Any) -> str:  # the noise-free samples/s, the measured peak
+        return f"{result.samples_per_s or 0.0:9.2f}  x{d.true_samples_per_s(params) / best_sps:5.3f}  {(result.peak_mem_bytes or 0) / GiB:6.1f} GiB"
+
+    def changed(found: Any, name: str, value: Any) -> tuple[float, bool]:
+        other = d.true_samples_per_s(found.replace(**{name: value}))
+        return other / (d.true_samples_per_s(found) or math.nan), other > 0
+
+    return _print_search(out, row, log, probe, f", the expert pick x{row['expert_ratio']:.3f}", {n: _python(best[n]) for n in GRID}, changed)
+
+
+def _print_search(out: Any, row: dict[str, Any], log: list[Any], probe: Any, found_note: str, optimum: dict[str, Any],
+                  changed: Any) -> dict[str, Any]:
+    """One line per probe (``probe(params, result)`` ends it), the returned configuration, and per
+    parameter where it differs from ``optimum`` (name: the optimum's value) ``changed(found, name, value)``:
+    the factor that value gives and whether it runs and fits; fills ``row["found_params"]`` and ``row["missed"]``."""
     for started_s, params, result in log:
-        print(f"{started_s:7.0f} +{result.wall_s or 0.0:5.0f} s  {result.status.value:<9} {params.short():<84} "
-              f"{result.samples_per_s or 0.0:9.2f}  x{d.true_samples_per_s(params) / best_sps:5.3f}  "
-              f"{(result.peak_mem_bytes or 0) / GiB:6.1f} GiB", file=out)
+        print(f"{started_s:7.0f} +{result.wall_s or 0.0:5.0f} s  {result.status.value:<9} {params.short():<84} {probe(params, result)}", file=out)
     row["missed"] = []
     found = next((p for _, p, _ in log if p.short() == row["found"]), None)
     row["found_params"] = found
     if found is None:
         print("found    nothing", file=out)
         return row
-    print(f"found    {row['found']}  x{row['ratio']:.3f} of the optimum, the expert pick x{row['expert_ratio']:.3f}", file=out)
-    found_sps = d.true_samples_per_s(found)
-    for name in GRID:
-        value = _python(best[name])
+    print(f"found    {row['found']}  x{row['ratio']:.3f} of the optimum{found_note}", file=out)
+    for name, value in optimum.items():
         if getattr(found, name) == value:
             continue
-        changed = d.true_samples_per_s(found.replace(**{name: value}))
-        row["missed"].append((name, value, changed / found_sps, changed > 0))
-        print(f"missed   {name}={value}: x{changed / found_sps:.3f}{'' if changed > 0 else ' !'}", file=out)
+        factor, runs_and_fits = changed(found, name, value)
+        row["missed"].append((name, value, factor, runs_and_fits))
+        print(f"missed   {name}={value}: x{factor:.3f}{'' if runs_and_fits else ' !'}", file=out)
     return row
 
 
