@@ -531,6 +531,7 @@ def search_draw(strategy: Any, index: int, budget_s: float, seed: int, noise_str
     from autotune.probe.device import loader_cores
     from autotune.search.loop import SearchSettings, ranked_configurations, run_search
     from autotune.search.strategies.registry import make_strategy
+    from autotune.studies import reading
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     d = _cached_draw(index, noise_stream)
@@ -566,6 +567,7 @@ def search_draw(strategy: Any, index: int, budget_s: float, seed: int, noise_str
     }
     scored = [d.true_samples_per_s(c.params) for c in ranked]
     row["measured_ratio"] = max(scored, default=0.0) / best_sps
+    row["unasked"] = ""
     if ranked:
         found = ranked[0].params
         peak = int(d.frame().iloc[d._position(found)]["peak_mem_bytes"])
@@ -573,7 +575,19 @@ def search_draw(strategy: Any, index: int, budget_s: float, seed: int, noise_str
         row["over_ceiling"] = int(peak > d.ceiling_bytes)
         row["found"] = found.short()
         row["found_precision"] = found.precision
+        row["unasked"] = " ".join(unasked_runnable(d, space, found, reading.stored_probes(study), settings.loader_cores))
     return row
+
+
+def unasked_runnable(d: Draw, space: Any, found: TrialParams, probes: list[Any], loader_cores: int | None) -> list[str]:
+    """#44's "every dimension asked near the incumbent": the dimensions no probe asked near the returned
+    configuration (:func:`autotune.search.strategies.coverage.unasked`) although one of their variants
+    there (:func:`~autotune.search.strategies.coverage.variants`, at its batch) runs and fits on the draw:
+    the noise-free truth stands in for what the memory model or the failures may rule out."""
+    from autotune.search.strategies import coverage
+
+    return [dim for dim in coverage.unasked(space, found, probes)
+            if any(d.true_samples_per_s(v) > 0 for v in coverage.variants(space, found, dim, probes, loader_cores))]
 
 
 def _short(row: pd.Series) -> str:

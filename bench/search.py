@@ -370,6 +370,8 @@ def family_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, 
                 figures["slower_than_expert"] = int(sum(r["ratio"] < r["expert_ratio"] * (1 - 1e-9) for r in mine))
                 figures["slower_than_expert_by_2pct"] = int(sum(r["ratio"] < r["expert_ratio"] * 0.98 for r in mine))
                 figures["fp32_or_tf32_returned"] = int(sum(r["found_precision"] in ("fp32", "tf32") for r in mine))
+                # #44: a dimension no probe asked near the returned configuration, where a variant there runs and fits
+                figures["unasked_runnable"] = int(sum(bool(r.get("unasked")) for r in mine))
     return summary
 
 
@@ -403,7 +405,8 @@ def print_expert(rows: list[dict[str, Any]], summary: dict[str, dict[str, dict[s
     for strategy, budgets in summary.items():
         for budget, g in budgets.items():
             print(f"{strategy:<9} {budget:>6} slower than the expert rule's configuration: {g['slower_than_expert']} draws "
-                  f"({g['slower_than_expert_by_2pct']} by more than 2 %); returned fp32/tf32: {g['fp32_or_tf32_returned']}")
+                  f"({g['slower_than_expert_by_2pct']} by more than 2 %); returned fp32/tf32: {g['fp32_or_tf32_returned']}; "
+                  f"a dimension left unasked near it that runs there: {g['unasked_runnable']}")
 
 
 def read_details(path: str) -> dict[tuple[str, float], dict[int, float]]:

@@ -316,6 +316,23 @@ def test_the_margin_proof_optimum_runs_whatever_the_margin_and_scores_details_ag
     assert figures["median"] == pytest.approx(0.75, abs=1e-3) and figures["worst"] == pytest.approx(0.5, abs=1e-3)
 
 
+def test_a_dimension_is_left_unasked_where_no_probe_asked_it_near_the_returned_configuration_and_a_variant_runs():
+    from autotune.records import Probe, ProbeResult
+    from bench.landscapes2 import _python, unasked_runnable
+
+    d = _draw(900_017)
+    assert d.traits["compile_crash"] == "all"  # no compiled variant runs: compile is never counted as left unasked
+    space = d.table().space()
+    found = TrialParams.from_dict({n: _python(d.true_best()[n]) for n in KEY})
+    unasked = unasked_runnable(d, space, found, [], None)
+    assert "torch_compile" not in unasked and "attn_implementation" in unasked and "dataloader_num_workers" in unasked
+    other = next(v for v in space.choices["attn_implementation"] if v != found.attn_implementation)
+    asked = [Probe(0, found.replace(attn_implementation=other, per_device_train_batch_size=1),  # another batch: still near
+                   ProbeResult(status="crash"))]
+    assert "attn_implementation" not in unasked_runnable(d, space, found, asked, None)
+    assert set(unasked_runnable(d, space, found, asked, None)) == set(unasked) - {"attn_implementation"}
+
+
 @pytest.mark.parametrize("index", [900_005])
 def test_every_draw_has_a_runnable_optimum(index):
     d = _draw(index)
