@@ -554,9 +554,9 @@ def search_draw(strategy: Any, index: int, budget_s: float, seed: int, noise_str
 
     # The search runs the product's own expert rule, its batch from the memory model of the model's dimensions
     # (a crashed row's recorded peak says nothing of fitting), and its memory model starts from them, as a run's do.
-    expert_memory = MemoryModel(d.model_dims(), int(d.traits["seq"]))
-    outcome = run_search(study, space, evaluator, settings, baseline=space.baseline(), expert=table_expert(table, d.ceiling_bytes, expert_memory),
-                         clock=evaluator.clock, strategy=chosen, memory=MemoryModel(d.model_dims(), int(d.traits["seq"])))
+    memory = MemoryModel(d.model_dims(), int(d.traits["seq"]))
+    outcome = run_search(study, space, evaluator, settings, baseline=space.baseline(), expert=table_expert(table, d.ceiling_bytes, memory),
+                         clock=evaluator.clock, strategy=chosen, memory=memory)
     cpu_s = time.process_time() - started
     ranked = ranked_configurations(study, d.ceiling_bytes)
     row: dict[str, Any] = {
