@@ -343,7 +343,10 @@ def _processes_on_host(options: RunOptions, gpus: list[int] | None) -> int:
 
     if gpus:
         return max(len(gpus), options.nproc_per_probe)
-    return options.nproc_per_probe * max(1, int(os.environ.get(HOST_WORKERS_ENV) or 1))
+    workers = os.environ.get(HOST_WORKERS_ENV) or "1"
+    if not workers.isdigit():
+        raise UsageError(f"{HOST_WORKERS_ENV}={workers!r} is not a number of workers: unset it (autotune run --gpus sets it for its workers)")
+    return options.nproc_per_probe * max(1, int(workers))
 
 
 def _trainer_ref(options: RunOptions) -> Any:

@@ -137,6 +137,9 @@ def test_workers_started_together_share_the_hosts_cores_for_their_loaders(tmp_pa
     assert plan_run(RunOptions(device="cpu", n_trials=1, **COMMON)).settings.loader_cores == 4  # 16 cores: 5 each, less the trainer's own
     monkeypatch.delenv(HOST_WORKERS_ENV)
     assert plan_run(RunOptions(device="cpu", n_trials=1, **COMMON)).settings.loader_cores == 15
+    monkeypatch.setenv(HOST_WORKERS_ENV, "two")
+    with pytest.raises(UsageError, match="AUTOTUNE_HOST_WORKERS='two' is not a number of workers: unset it"):
+        plan_run(RunOptions(device="cpu", n_trials=1, **COMMON))
 
 
 @pytest.mark.slow
