@@ -173,8 +173,7 @@ class Draw:
         whatever its row's out-of-memory margin (each row draws its own: the ceiling less
         :data:`MARGIN_SPREAD` x the draw's fragmentation), 0 where none does."""
         frame = self.frame()
-        proof = ~frame["status"].isin(["crash", "diverged"]) & (
-            frame["true_peak_mem_bytes"] <= self.ceiling_bytes * (1 - self.traits["fragmentation"] * MARGIN_SPREAD[1]))
+        proof = ~frame["status"].isin(["crash", "diverged"]) & (frame["true_peak_mem_bytes"] <= _margin_proof_ceiling(self.traits))
         return float(frame.loc[proof, "true_samples_per_s"].max()) if proof.any() else 0.0
 
     def true_samples_per_s(self, params: TrialParams) -> float:
@@ -404,13 +403,18 @@ def _statuses(t: dict[str, Any], g: dict[str, np.ndarray], peak: np.ndarray, rng
     return status
 
 
+def _margin_proof_ceiling(traits: dict[str, Any]) -> float:
+    """The peak under which a row fits whatever out-of-memory margin it draws (:func:`_statuses`)."""
+    return float(traits["ceiling_bytes"]) * (1 - traits["fragmentation"] * MARGIN_SPREAD[1])
+
+
 def _build_frame(d: Draw) -> pd.DataFrame:
     t, g = dict(d.traits), _grid()
     if t["input_bound"]:
         # Input-bound: the loader's cost is set against the best compute this draw reaches under its cap,
         # so that about workers_needed workers keep up with it and fewer leave the GPU waiting.
         free = model({**t, "loader_s_per_sample": 1e-12}, g)
-        fits = free["peak_bytes"] <= t["ceiling_bytes"] * (1 - t["fragmentation"] * MARGIN_SPREAD[1])
+        fits = free["peak_bytes"] <= _margin_proof_ceiling(t)
         best = float(np.max(np.where(fits, free["samples_per_s"], 0.0))) or 1.0
         t["loader_s_per_sample"] = t["workers_needed"] / best
         d.traits["loader_s_per_sample"] = t["loader_s_per_sample"]
