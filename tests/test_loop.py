@@ -541,6 +541,35 @@ def test_an_expert_out_of_memory_is_followed_by_a_smaller_batch(fake_gpu) -> Non
                          small.replace(gradient_checkpointing=True, optim="adafactor")]
 
 
+def test_the_expert_fallback_stops_after_its_failures_when_each_out_of_memory_moves_the_memory_models_batch() -> None:
+    """A neighbour's batch is the largest the memory model predicts to fit, and each out-of-memory lowers that
+    prediction, so the same step of the walk names another batch every time. The walk counts the failures
+    measured, not the neighbours it reaches now: before, draw 3400035 stepped 32 -> 24 -> 16 -> 8 -> 4 with
+    8-bit AdamW and checkpointing, 14 failed probes, and its search found nothing that fits."""
+    from autotune.search.expert import MAX_FALLBACK_PROBES, expert_fallback
+    from autotune.space import parse_space
+
+    space = parse_space({"per_device_train_batch_size": [1, 2, 4, 8, 16, 24, 32], "precision": ["fp32", "bf16"],
+                         "gradient_checkpointing": [False, True], "optim": ["adamw_torch_fused", "adamw_bnb_8bit", "adafactor"]})
+    outcomes: dict = {}
+
+    class Moving:  # predicts one batch size less for every out-of-memory so far
+        def largest_batch_that_fits(self, params: TrialParams, batches: list[int], ceiling_bytes: int) -> int:
+            ordered = sorted(batches)
+            return ordered[max(0, len(ordered) - 1 - len(outcomes))]
+
+    oom = ProbeResult(status="oom", error="OutOfMemoryError", wall_s=30.0)
+    baseline = TrialParams(per_device_train_batch_size=8)
+    outcomes[baseline.key()] = oom  # the baseline's failure is not the walk's
+    expert = TrialParams(per_device_train_batch_size=1, precision="bf16", optim="adamw_torch_fused")
+    asked = []
+    while (neighbour := expert_fallback(space, expert, outcomes, Moving(), 40 * GiB, not_counted=[baseline.key()])) is not None:
+        assert len(asked) <= 2 * MAX_FALLBACK_PROBES, [p.short() for p in asked]
+        asked.append(neighbour)
+        outcomes[neighbour.key()] = oom
+    assert asked[0] == expert and len(asked) == 1 + MAX_FALLBACK_PROBES  # the expert and its neighbours, then the strategy
+
+
 def test_an_expert_whose_optimizer_state_does_not_fit_gets_a_lighter_optimizer_at_the_largest_batch_that_fits() -> None:
     """A 1.5 B-parameter model under a 24 GiB ceiling: fused AdamW's state alone is over it, with or without
     checkpointing. After checkpointing (predicted over too, so at the smallest batch), the expert's next step

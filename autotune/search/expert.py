@@ -13,7 +13,7 @@ the device cannot run is never part of it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from autotune.params import TrialParams
@@ -90,7 +90,8 @@ SUSPECTS = ("precision", "attn_implementation", "optim", "torch_compile")
 
 
 def expert_fallback(space: SearchSpace, expert: TrialParams, outcomes: Mapping[tuple[Any, ...], ProbeResult | None],
-                    memory: Any, ceiling_bytes: int, limit: int = MAX_FALLBACK_PROBES) -> TrialParams | None:
+                    memory: Any, ceiling_bytes: int, limit: int = MAX_FALLBACK_PROBES,
+                    not_counted: Collection[tuple[Any, ...]] = ()) -> TrialParams | None:
     """The next neighbour of the expert configuration to measure while neither it nor a neighbour ran under the ceiling.
 
     Neighbours are visited nearest first (breadth first from the expert), each failed one expanded by
@@ -106,12 +107,20 @@ def expert_fallback(space: SearchSpace, expert: TrialParams, outcomes: Mapping[t
         outcomes: per ``TrialParams.key()``: the last result of a configuration that ran, ``None`` for
             one that is settled without running (pruned, or in flight elsewhere); absent: not yet asked.
         memory: a :class:`autotune.search.memory.MemoryModel` (``largest_batch_that_fits``) or ``None``.
+        limit: the neighbours measured at most while all fail (every failed outcome counts, not only
+            the neighbours this walk reaches now: where a neighbour's batch is the memory model's, each
+            out-of-memory moves it, and counting visited nodes alone let the walk step down batch after batch).
+        not_counted: keys whose failures are not the walk's (the baseline's).
 
     Returns:
         The nearest neighbour not yet asked; ``None`` once one ran and fits, after ``limit`` failed
-        probes, or when no neighbour is left.
+        probes beside the expert's, or when no neighbour is left.
     """
-    queue, visited, failed = [expert], set(), 0
+    failed = sum(1 for key, result in outcomes.items() if key not in not_counted and result is not None
+                 and not (result.ok and result.fits(ceiling_bytes)))
+    if failed > limit:  # the expert's own and ``limit`` neighbours'
+        return None
+    queue, visited = [expert], set()
     while queue:
         node = queue.pop(0)
         key = node.key()
@@ -123,10 +132,6 @@ def expert_fallback(space: SearchSpace, expert: TrialParams, outcomes: Mapping[t
         result = outcomes[key]
         if result is not None and result.ok and result.fits(ceiling_bytes):
             return None
-        if result is not None:
-            failed += 1
-            if failed > limit:
-                return None
         queue.extend(_neighbours(space, node, result, memory, ceiling_bytes))
     return None
 

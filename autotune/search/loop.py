@@ -551,7 +551,8 @@ def _expert_neighbour(space: SearchSpace, expert: TrialParams, synced: _Synced, 
     outcomes: dict[tuple[Any, ...], ProbeResult | None] = {probe.params.key(): probe.result for probe in synced.history}
     for key in [*synced.seen, *synced.in_flight]:  # measured, pruned, or in flight elsewhere
         outcomes.setdefault(key, None)
-    neighbour = expert_fallback(space, expert, outcomes, synced.memory, settings.memory_ceiling_bytes)
+    baseline = [state.baseline.key()] if state.baseline is not None else []
+    neighbour = expert_fallback(space, expert, outcomes, synced.memory, settings.memory_ceiling_bytes, not_counted=baseline)
     return None if neighbour is None or neighbour.key() == expert.key() else neighbour
 
 
