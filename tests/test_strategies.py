@@ -754,6 +754,27 @@ def test_bayes_brackets_the_memory_frontier_while_nothing_has_run_yet() -> None:
     assert propose({baseline.key(), first.key()}, _without_pending()).per_device_train_batch_size == 1
 
 
+def test_bayes_asks_the_frugal_end_until_something_fits_not_only_until_something_runs() -> None:
+    # Draw 3400035 (0.44 B parameters, seq 4096, 9.5 GiB ceiling): the one probe that ran, checkpointed with fused
+    # AdamW at batch 1, peaked at 9.9 GiB, and every other probe ran out of memory. Nothing fits, so the next probe is
+    # the frugal end (checkpointing, the least optimizer state, the smallest batch), as before anything ran; it was
+    # the model's pick at batch 32 (the memory model had no dims and one peak, at batch 1), and nothing was found.
+    space = parse_space({"per_device_train_batch_size": [1, 4, 8, 16, 32], "precision": ["fp32", "bf16"],
+                         "optim": ["adamw_torch_fused", "adamw_bnb_8bit", "adafactor"], "gradient_checkpointing": [False, True]})
+    ceiling = int(9.5 * GiB)
+    over = Probe(1, space.with_changes(TrialParams(), per_device_train_batch_size=1, precision="bf16", gradient_checkpointing=True),
+                 ProbeResult(status="ok", samples_per_s=95.0, peak_mem_bytes=int(9.9 * GiB), wall_s=194.0))
+    oom = [Probe(n, space.with_changes(TrialParams(), per_device_train_batch_size=b, precision="bf16", optim=o), ProbeResult(status="oom"))
+           for n, (b, o) in enumerate([(1, "adamw_torch_fused"), (4, "adamw_bnb_8bit"), (8, "adafactor")], start=2)]
+    memory = MemoryModel()
+    for probe in (over, *oom):
+        memory.observe(probe.params, probe.result)
+    state = SearchState(space, ceiling, memory, [over, *oom], SeenKeys({p.params.key() for p in (over, *oom)}), 1200.0)
+    proposal = BayesStrategy().propose(state)
+    assert proposal is not None
+    assert (proposal.per_device_train_batch_size, proposal.optim, proposal.gradient_checkpointing) == (1, "adafactor", True), proposal.short()
+
+
 def test_the_surrogate_predicts_the_whole_grid_as_its_features_say() -> None:
     space = parse_space({"per_device_train_batch_size": [1, 8, 16, 64], "gradient_accumulation_steps": [1, 4], "precision": ["fp32", "bf16"],
                          "torch_compile": ["off", "inductor", "inductor:max-autotune"], "dataloader_num_workers": [0, 4]})

@@ -67,7 +67,7 @@ class BayesStrategy(Strategy):
         pending = pending_probes(context, state, evidence)
         mean, sd = throughput.posterior(context, ran, [params for params, fits in pending if fits])
         feasible = state.feasible()
-        nothing_ran = not ran
+        nothing_fits = not feasible  # what was measured, not what is believed: a pending probe only likely fits
         if pending:
             # Other workers' probes in flight count as finished with the outcome the model expects,
             # so this proposal complements them instead of repeating their question.
@@ -83,13 +83,15 @@ class BayesStrategy(Strategy):
         allowed = allowed & ~context.batch_grid(evidence.ruled_out)
         if state.remaining_s is not None:
             allowed = allowed & (cost_ok <= state.remaining_s)
-        if nothing_ran:  # what ran, not what is believed to: a pending probe's fit is only likelier than not
+        allowed = allowed.copy()
+        allowed.reshape(-1)[context.seen_flat(state, history)] = False
+        if nothing_fits:
+            # Until something fits, the frugal end (checkpointing, the least optimizer state, the smallest
+            # batch) while any of it is left: a search that finds nothing that fits returns nothing at all.
             smallest = context.frugal_mask().reshape(-1)  # being probed elsewhere: bracket the frontier instead
             any_batch = any(smallest[grid.flat_index(params)] for params, _ in pending)
             frugal = allowed & context.frugal_mask(any_batch=any_batch)
             allowed = frugal if frugal.any() else allowed
-        allowed = allowed.copy()
-        allowed.reshape(-1)[context.seen_flat(state, history)] = False
         if not allowed.any():
             return None
         if state.remaining_s is not None:
