@@ -282,6 +282,9 @@ def print_summary(console: Console, result: TuneResult, *, dropped: tuple[Any, .
         )
         for warning in measurement_warnings(best):
             console.print(f"  [yellow]{warning}[/]", highlight=False)
+        note = result.order_note()
+        if note:
+            console.print(f"  {note}", highlight=False)
 
 
 def measurement_warnings(row: Any) -> list[str]:

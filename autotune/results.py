@@ -18,7 +18,7 @@ import pandas as pd
 from autotune.errors import NoResult, NothingFits
 from autotune.params import KNOBS_ADDED_LATER, PARAM_DEFAULTS, PARAM_NAMES, TrialParams
 from autotune.records import Probe, ProbeResult, ProbeStatus
-from autotune.search.ranking import rank_configurations
+from autotune.search.ranking import prior_rank, rank_configurations
 from autotune.sharding import NONE as NO_SHARDING
 from autotune.sharding import parse as sharding_of
 from autotune.studies import opening, reading, schema
@@ -71,13 +71,18 @@ def trials_frame(study: optuna.Study, memory_ceiling_bytes: int | None, *, inclu
     ``predicted_peak_mem_bytes`` is the memory model's prediction when the trial was asked, to
     compare with the measured ``peak_mem_bytes``. A near-tie probed again at the end of the search
     is a row of its own, with ``remeasure_of`` = the number of the configuration's first trial.
+    ``estimated_samples_per_s``, on the first trial of each configuration that fits, is the search's
+    estimate from every probe when it ended (its throughput model's; none where the study went on since,
+    or its strategy has no model): the ranking orders configurations within the noise of each other by it.
 
     Args:
         include_repeats: also list the trials that repeated an already measured configuration
             (the sampler proposed it again; it was not re-run).
     """
     rows: list[dict[str, Any]] = []
-    for trial in study.get_trials(deepcopy=False):
+    trials = study.get_trials(deepcopy=False)
+    estimates = reading.estimates(study, len(reading.probes_in(trials))) or {}
+    for trial in trials:
         attrs = trial.user_attrs
         if not include_repeats and ATTR_DUPLICATE_OF in attrs:
             continue
@@ -105,6 +110,7 @@ def trials_frame(study: optuna.Study, memory_ceiling_bytes: int | None, *, inclu
         for name in RESULT_COLUMNS:
             row[name] = result.get(name)
         row["predicted_peak_mem_bytes"] = attrs.get(ATTR_PREDICTED_PEAK)
+        row["estimated_samples_per_s"] = estimates.get(trial.number)
         row["feasible"] = bool(result) and ProbeResult.from_dict(result).fits(memory_ceiling_bytes)
         row["reason"] = attrs.get(ATTR_REASON)
         row["losses"] = result.get("losses") or []
@@ -116,7 +122,7 @@ def trials_frame(study: optuna.Study, memory_ceiling_bytes: int | None, *, inclu
     columns = [
         "trial", "state", "status", "is_baseline", "role", "duplicate_of", "remeasure_of", *PARAM_NAMES, "extra", *extra_names,
         "effective_batch_size",
-        *RESULT_COLUMNS, "loss_drift", "numerics_flag", "predicted_peak_mem_bytes", "feasible", "reason", "losses",
+        *RESULT_COLUMNS, "loss_drift", "numerics_flag", "predicted_peak_mem_bytes", "estimated_samples_per_s", "feasible", "reason", "losses",
         "started_at", "finished_at",
     ]
     return pd.DataFrame(rows, columns=columns)
@@ -172,6 +178,14 @@ def _frame_probes(trials: pd.DataFrame) -> list[Probe]:
     return probes
 
 
+def _frame_estimates(trials: pd.DataFrame) -> dict[int, float] | None:
+    """The search's estimates by configuration's first trial (:func:`trials_frame`), None where there are none."""
+    if "estimated_samples_per_s" not in trials.columns:  # a frame from before they were stored
+        return None
+    rows = trials[trials["estimated_samples_per_s"].notna()]
+    return {int(t): float(v) for t, v in zip(rows["trial"], rows["estimated_samples_per_s"])} or None
+
+
 # A configuration that does not fit takes the outcome of its worst probe, in this order.
 _WORST_FIRST = (ProbeStatus.OOM, ProbeStatus.CRASH, ProbeStatus.DIVERGED, ProbeStatus.OK, ProbeStatus.TIMEOUT)
 CONFIG_COLUMNS = ("probe_trials", "n_probes", "n_measurements", "samples_per_s_min", "samples_per_s_max", "spread_rel", "unstable", "fits", "rank")
@@ -194,7 +208,7 @@ def configurations_frame(trials: pd.DataFrame, memory_ceiling_bytes: int | None,
     frame = trials[trials["duplicate_of"].isna() & (trials["state"] != "waiting")]
     if frame.empty:
         return pd.DataFrame(columns=columns)
-    ranked = rank_configurations(_frame_probes(frame), memory_ceiling_bytes, gpu=gpu)
+    ranked = rank_configurations(_frame_probes(frame), memory_ceiling_bytes, gpu=gpu, estimates=_frame_estimates(frame))
     rank_of = {c.params.key(): i + 1 for i, c in enumerate(ranked)}
     unstable = {c.params.key() for c in ranked if c.unstable}
     groups: dict[tuple[Any, ...], list[int]] = {}
@@ -295,6 +309,30 @@ class TuneResult:
     def best(self) -> pd.Series | None:
         ranked = self.ranked()
         return None if ranked.empty else ranked.iloc[0]
+
+    def order_note(self) -> str | None:
+        """Why the best ranks first where another configuration that fits measured faster (they are within the
+        noise of each other: :func:`autotune.search.ranking.rank_configurations`); None where it measured fastest."""
+        ranked = self.ranked()
+        if len(ranked) < 2:
+            return None
+        best = ranked.iloc[0]
+        faster = ranked[ranked["samples_per_s"] > best["samples_per_s"]]
+        if faster.empty:
+            return None
+        top = faster.loc[faster["samples_per_s"].idxmax()]
+        first, other = row_params(best), row_params(top)
+        gpu = not self.measured_on_cpu
+        if prior_rank(first, gpu=gpu) < prior_rank(other, gpu=gpu):
+            why = ("16-bit ranks before tf32 and fp32 on a GPU" if gpu else
+                   "fp32 ranks first on a CPU, where autocast's 16 bits are emulated")
+        elif _py(best.get("estimated_samples_per_s")) is not None and _py(top.get("estimated_samples_per_s")) is not None:
+            ahead = float(best["estimated_samples_per_s"]) / float(top["estimated_samples_per_s"]) - 1.0
+            why = f"the search's throughput model, fitted to all {len(_frame_probes(self.trials))} probes of the study, puts it {ahead:.1%} ahead"
+        else:
+            return None
+        gap = float(top["samples_per_s"]) / float(best["samples_per_s"]) - 1.0
+        return f"Ranked first although {other.short()} measured {gap:.1%} faster: they are within the noise of each other, and {why}."
 
     @property
     def best_params(self) -> dict[str, Any] | None:

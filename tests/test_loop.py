@@ -254,6 +254,43 @@ def test_near_tie_is_remeasured_and_the_best_is_decided_by_the_mean(fake_gpu) ->
     assert len(result.trials) == 6  # trials: one row per probe
 
 
+def test_the_searchs_estimates_are_stored_when_it_ends_and_order_its_near_ties_until_the_study_goes_on(fake_gpu) -> None:
+    """After the near-ties were measured again, the strategy's estimates (given every probe) are stored with
+    the study; the ranking, the result and its note read them. A probe added since makes them stale: the means decide."""
+    from autotune.search.strategies.base import SearchState, Strategy
+    from autotune.studies import reading, writing
+
+    class Estimating(Strategy):  # its model, say, puts 32 ahead of 64 (within the noise of each other)
+        name = "estimating"
+
+        def sampler(self, seed: int) -> optuna.samplers.BaseSampler:
+            return make_sampler(seed)
+
+        def estimates(self, state: SearchState) -> dict:
+            return {c.params.key(): 120.0 if c.params.per_device_train_batch_size == 32 else c.mean_samples_per_s for c in state.feasible()}
+
+    fake = NoisyEvaluator({8: [50.0], 16: [80.0], 32: [99.0, 99.0], 64: [100.0, 100.0]})
+    study = _study()
+    run_search(study, _batch_space(fake_gpu, [8, 16, 32, 64]), fake, SearchSettings(memory_ceiling_bytes=40 * GiB), clock=fake.clock,
+               strategy=Estimating())
+    probes = reading.stored_probes(study)
+    assert reading.estimates(study, len(probes)) is not None and len(probes) == 6  # after the two re-measures
+    assert [c.params.per_device_train_batch_size for c in ranked_configurations(study, 40 * GiB)][:2] == [32, 64]
+    result = TuneResult("t", "memory", trials_frame(study, 40 * GiB), settings={"memory_ceiling_bytes": 40 * GiB})
+    assert result.best_params["per_device_train_batch_size"] == 32
+    assert result.best["estimated_samples_per_s"] == 120.0
+    note = result.order_note()
+    assert note is not None and "bs64x1" in note and "measured 1.0% faster" in note and "puts it 20.0% ahead" in note
+    # Another probe since: the stored estimates rest on six probes, not seven, and the means decide again.
+    trial = writing.ask(study)
+    params = TrialParams(per_device_train_batch_size=8, dataloader_num_workers=2)
+    writing.record_params(trial, params)
+    writing.record_outcome(study, trial, params, ProbeResult(status="ok", samples_per_s=10.0, peak_mem_bytes=GiB, wall_s=1.0), 40 * GiB)
+    assert reading.estimates(study, len(reading.stored_probes(study))) is None
+    assert ranked_configurations(study, 40 * GiB)[0].params.per_device_train_batch_size == 64
+    assert TuneResult("t", "memory", trials_frame(study, 40 * GiB), settings={"memory_ceiling_bytes": 40 * GiB}).order_note() is None
+
+
 def test_a_configuration_whose_probes_disagree_is_unstable_and_measured_a_third_time(fake_gpu) -> None:
     # 32's two probes are 4% apart, twice the noise band: a third probe decides, once; 64's agree.
     fake = NoisyEvaluator({8: [50.0], 16: [80.0], 32: [100.0, 96.0, 97.0], 64: [99.0, 99.5]})
@@ -501,6 +538,27 @@ def test_a_tie_goes_to_the_prior_not_to_chance() -> None:
     assert [c.params.precision for c in on_cpu] == ["fp32", "tf32", "fp16", "bf16", "bf16"]
     faster_bf16 = [probe(0, 110.0, precision="bf16"), probe(1, 100.0, precision="fp32")]
     assert [c.params.precision for c in rank_configurations(faster_bf16, 40 * GiB, gpu=False)] == ["bf16", "fp32"]  # beyond the noise, speed wins
+
+
+def test_within_the_noise_the_searchs_estimate_orders_equals_of_the_prior_and_never_overrules_it() -> None:
+    """Two bf16 configurations 1 % apart, each measured once: the search's estimate from all its probes
+    (the throughput model's) orders them, where it left one for each; the prior's order comes first, and
+    beyond the noise band the measurements alone decide."""
+    from autotune.records import Probe
+    from autotune.search.ranking import rank_configurations
+
+    def probe(number: int, sps: float, **changes) -> Probe:
+        params = TrialParams(per_device_train_batch_size=16, precision="bf16").replace(**changes)
+        return Probe(number, params, ProbeResult(status="ok", samples_per_s=sps, peak_mem_bytes=GiB, wall_s=30.0))
+
+    probes = [probe(0, 101.0, attn_implementation="sdpa"), probe(1, 100.0, attn_implementation="flash_attention_2")]
+    assert rank_configurations(probes, 40 * GiB)[0].number == 0  # by the mean
+    assert rank_configurations(probes, 40 * GiB, estimates={0: 99.0, 1: 102.0})[0].number == 1  # by the estimate
+    assert rank_configurations(probes, 40 * GiB, estimates={1: 102.0})[0].number == 0  # not every one has one: the mean
+    prior = [probe(0, 101.0, precision="fp32"), probe(1, 100.0)]
+    assert rank_configurations(prior, 40 * GiB, estimates={0: 110.0, 1: 100.0})[0].params.precision == "bf16"  # the prior first
+    apart = [probe(0, 110.0), probe(1, 100.0, attn_implementation="sdpa")]
+    assert rank_configurations(apart, 40 * GiB, estimates={0: 100.0, 1: 120.0})[0].number == 0  # beyond the noise: measured
 
 
 def test_a_crashing_expert_gets_its_nearest_runnable_neighbour_measured(fake_gpu) -> None:

@@ -524,6 +524,9 @@ def build_report_model(result: TuneResult) -> ReportModel:
                 reference_samples_per_s=ref_sps, speedup=best_sps / ref_sps if ref_sps else None,
                 note="" if ref_sps else f"it did not fit ({OUTCOME_LABELS.get(outcome_of(pd.Series(reference)), reference.get('status'))})",
             ))
+        order = result.order_note()
+        if order:
+            headline += f" {order}"
         if result.objective == "tokens":
             headline += (" Ranked by real (non-padding) tokens/s: samples/s is tokens/s over the data's "
                          f"{(settings.probe or ProbeSettings()).tokens_per_sample or 0:.1f} tokens per sequence.")

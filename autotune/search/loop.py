@@ -154,8 +154,20 @@ class SearchOutcome:
 
 
 def ranked_configurations(study: optuna.Study, ceiling_bytes: int, *, gpu: bool = True) -> list[Configuration]:
-    """The study's configurations that fit, fastest mean first (:func:`~autotune.search.ranking.rank_configurations`)."""
-    return rank_configurations(reading.stored_probes(study), ceiling_bytes, gpu=gpu)
+    """The study's configurations that fit, fastest mean first (:func:`~autotune.search.ranking.rank_configurations`,
+    near-equals by the search's estimates where it stored them for these probes)."""
+    probes = reading.stored_probes(study)
+    return rank_configurations(probes, ceiling_bytes, gpu=gpu, estimates=reading.estimates(study, len(probes)))
+
+
+def record_estimates(study: optuna.Study, strategy: Strategy, state: SearchState) -> None:
+    """The strategy's estimates of the configurations that fit, given every probe the study holds now, stored
+    for the ranking (nothing where the strategy has no model of throughput)."""
+    state.history = reading.stored_probes(study)
+    by_key = strategy.estimates(state)
+    if by_key:
+        numbers = {c.params.key(): c.number for c in state.feasible()}
+        writing.record_estimates(study, {numbers[k]: v for k, v in by_key.items() if k in numbers}, len(state.history))
 
 
 def _remeasure_queue(study: optuna.Study, settings: SearchSettings, tried: set[tuple[int, int]]) -> Iterator[Configuration]:
@@ -534,6 +546,8 @@ def run_search(
             study, evaluator, settings, clock=clock, deadline_s=deadline_s, typical_s=typical_s,
             on_start=on_start, on_trial=finished,
         )
+        if strategy is not None:
+            record_estimates(study, strategy, state)
     except KeyboardInterrupt:
         # Ctrl-C anywhere in an iteration: the trial in flight (if any) is failed, not left RUNNING,
         # and every finished trial is already in the storage.

@@ -10,8 +10,11 @@ results are per **configuration**, not per probe:
 * configurations that fit are **ranked** by the mean samples/s of their probes, fastest first;
 * **ties go to the prior, not to chance**: the configurations within the noise of the fastest
   (:func:`tie_band`) are ordered by the prior (:func:`prior_rank`: on a GPU 16-bit over tf32 over
-  fp32, on a CPU the reverse, as the expert rule picks), then by their mean; so a loader that makes
-  every precision measure alike returns the 16-bit one on a GPU, not whichever noise put first. Exact
+  fp32, on a CPU the reverse, as the expert rule picks), so a loader that makes every precision
+  measure alike returns the 16-bit one on a GPU, not whichever noise put first; then by the search's
+  **estimate** where it left one for each of them (its throughput model's posterior mean given every
+  probe of the run: a measurement pooled with what the other probes say about the same settings,
+  which decides within the noise more often than the measurement alone), else by their mean. Exact
   ties left after that go to the first trial (the one found first ranks first).
 
 Near-ties (:func:`near_ties`) are the configurations within the noise of the best
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,10 +64,13 @@ class Configuration:
         return self.n_measurements > 1 and self.spread_rel > noise_band(self.ci95_rel, self.ci95_rel)
 
 
-def rank_configurations(probes: Iterable[Probe], ceiling_bytes: int | None, *, gpu: bool = True) -> list[Configuration]:
+def rank_configurations(probes: Iterable[Probe], ceiling_bytes: int | None, *, gpu: bool = True,
+                        estimates: Mapping[int, float] | None = None) -> list[Configuration]:
     """The configurations that fit under ``ceiling_bytes`` (every measured probe fits), fastest mean first,
     those within the noise of the fastest (:func:`tie_band`) in the prior's order (:func:`prior_rank`;
-    ``gpu``: the probes ran on a GPU)."""
+    ``gpu``: the probes ran on a GPU), then by ``estimates`` (samples/s per configuration's first trial,
+    :attr:`Configuration.number`: the search's, given all its probes) where every one of them has one,
+    else by their mean."""
     groups: dict[tuple[Any, ...], list[Probe]] = {}
     for probe in probes:
         if probe.result.status.is_measured():
@@ -93,7 +99,12 @@ def rank_configurations(probes: Iterable[Probe], ceiling_bytes: int | None, *, g
         return by_speed
     fastest = by_speed[0]
     tied = [c for c in by_speed if fastest.mean_samples_per_s - c.mean_samples_per_s <= tie_band(fastest, c) * fastest.mean_samples_per_s]
-    tied.sort(key=lambda c: (prior_rank(c.params, gpu=gpu), -c.mean_samples_per_s, c.number))
+    estimated = estimates is not None and all(c.number in estimates for c in tied)
+
+    def speed(c: Configuration) -> float:
+        return estimates[c.number] if estimates is not None and estimated else c.mean_samples_per_s
+
+    tied.sort(key=lambda c: (prior_rank(c.params, gpu=gpu), -speed(c), -c.mean_samples_per_s, c.number))
     members = {id(c) for c in tied}
     return tied + [c for c in by_speed if id(c) not in members]
 

@@ -54,6 +54,7 @@ from autotune.studies.schema import (
     KILLED_PREFIXES,
     OUTCOME_ATTRS,
     ROLE_BASELINE,
+    STUDY_ESTIMATES_ATTR,
 )
 
 
@@ -87,6 +88,16 @@ def probes_in(trials: Sequence[FrozenTrial]) -> list[Probe]:
 def stored_probes(study: optuna.Study) -> list[Probe]:
     """The finished trials that ran a probe (repeats and pruned trials excluded), oldest first."""
     return probes_in(study.get_trials(deepcopy=False, states=FINISHED_STATES))
+
+
+def estimates(study: optuna.Study, probes: int) -> dict[int, float] | None:
+    """The search's estimates of samples/s per configuration's first trial number, as its end stored them
+    (:func:`autotune.studies.writing.record_estimates`); ``None`` where none are stored, or where they rest
+    on another number of probes than ``probes`` (the study has gone on since: they are stale)."""
+    stored = study.user_attrs.get(STUDY_ESTIMATES_ATTR)
+    if not isinstance(stored, dict) or stored.get("probes") != probes:
+        return None
+    return {int(number): float(value) for number, value in (stored.get("samples_per_s") or {}).items()}
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,9 @@ ATTR_DIED = "died"  # how the process running it died (killed, or its worker wen
 ATTR_RETRY_OF = "retry_of"  # probes again the configuration of this trial, whose process died
 ATTR_REMEASURE_ROUND = "remeasure_round"  # a re-measure: which probe of the configuration it is (2, 3)
 STUDY_DEADLINE_ATTR = "deadline_unix_s"  # study user attribute: when the workers' shared budget ends (time.time())
+# Study user attribute: the search's estimates once it ended, {"probes": how many probes they rest on,
+# "samples_per_s": {first trial number of a configuration that fits: estimated samples/s}} (ranking.rank_configurations).
+STUDY_ESTIMATES_ATTR = "estimates"
 ROLE_BASELINE = "baseline"
 ROLE_EXPERT = "expert"  # the expert rule's configuration (autotune.search.expert), measured early as a reference
 

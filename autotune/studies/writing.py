@@ -12,7 +12,7 @@ import fcntl
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import optuna
@@ -47,6 +47,7 @@ from autotune.studies.schema import (
     ROLE_BASELINE,
     SCALAR_RESULT_ATTRS,
     STUDY_DEADLINE_ATTR,
+    STUDY_ESTIMATES_ATTR,
 )
 
 _log = logging.getLogger(__name__)
@@ -365,6 +366,11 @@ class Heartbeat:
 def record_deadline(study: optuna.Study, deadline_unix_s: float) -> None:
     """Store when the shared budget of this study's workers ends (``time.time()``), for workers that join later."""
     study.set_user_attr(STUDY_DEADLINE_ATTR, float(deadline_unix_s))
+
+
+def record_estimates(study: optuna.Study, samples_per_s: Mapping[int, float], probes: int) -> None:
+    """Store the search's estimates (per configuration's first trial number) and how many probes they rest on."""
+    study.set_user_attr(STUDY_ESTIMATES_ATTR, {"probes": int(probes), "samples_per_s": {str(n): float(v) for n, v in samples_per_s.items()}})
 
 
 def deadline_unix_s(study: optuna.Study) -> float | None:

@@ -1,11 +1,14 @@
-"""The strategy interface: what to run next, and what not to run at all.
+"""The strategy interface: what to run next, what not to run at all, and what the measurements are worth.
 
-A strategy is one class with up to three methods, called by :func:`autotune.search.loop.run_search`:
+A strategy is one class with up to four methods, called by :func:`autotune.search.loop.run_search`:
 
 * :meth:`Strategy.sampler` - the Optuna sampler the study asks when the strategy proposes nothing;
 * :meth:`Strategy.propose` - a configuration to run next (enqueued into the study), or ``None``;
 * :meth:`Strategy.prune` - a reason not to run a configuration (recorded as a pruned trial that
-  costs no probe time), or ``None``.
+  costs no probe time), or ``None``;
+* :meth:`Strategy.estimates` - once the search ended, its estimate of each measured configuration's
+  samples/s given every probe (a strategy with a model of throughput; the others return none): the
+  ranking orders configurations within the noise of each other by it.
 
 The loop owns the state every strategy may read (:class:`SearchState`): the space, the memory
 ceiling, the probes so far, the calibrated memory model, the time left. What fits and what is
@@ -89,3 +92,8 @@ class Strategy(ABC):
     def prune(self, params: TrialParams, state: SearchState) -> str | None:
         """Why ``params`` should not be run (e.g. predicted over the memory ceiling), or ``None`` to run it."""
         return None
+
+    def estimates(self, state: SearchState) -> dict[tuple[Any, ...], float]:
+        """Samples/s per ``TrialParams.key()`` of the configurations in ``state.feasible()``, as the strategy's
+        model estimates them from every probe in ``state.history``; empty without such a model."""
+        return {}

@@ -128,6 +128,19 @@ class BayesStrategy(Strategy):
             gain[cells], p_ok[cells], p_fit, cost_ok[cells], cost_fail[cells], allowed[cells]))
         return None if best is None else grid.params_at(best[1])
 
+    def estimates(self, state: SearchState) -> dict[tuple[Any, ...], float]:
+        """The throughput model's posterior mean at each configuration that fits, fitted to every probe:
+        a measurement pooled with what the other probes say about its settings."""
+        context = self.context(state)
+        grid = context.grid
+        ran = [p for p in state.history if p.result.status is ProbeStatus.OK and p.result.samples_per_s and grid.flat_index(p.params) is not None]
+        if not ran:
+            return {}
+        mean, _ = throughput.posterior(context, ran)
+        flat = np.broadcast_to(mean, grid.shape).reshape(-1)
+        indices = {c.params.key(): grid.flat_index(c.params) for c in state.feasible()}
+        return {key: float(np.exp(flat[index])) for key, index in indices.items() if index is not None}
+
     @staticmethod
     def _p_ok(context: Context, state: SearchState) -> np.ndarray:
         """P(runs) over the grid (broadcastable): no crash and no divergence, from what ran (a pending
