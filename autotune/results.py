@@ -295,7 +295,8 @@ class TuneResult:
         return self._configurations[1]
 
     def ranked(self) -> pd.DataFrame:
-        """One row per configuration that fits under the ceiling, fastest mean samples/s first.
+        """One row per configuration that fits under the ceiling, fastest mean samples/s first (those within
+        the noise of each other in the ranking's order: :func:`autotune.search.ranking.rank_configurations`).
 
         A configuration's measurements are its probes that ran to an outcome (ok, oom, crash,
         diverged; not repeats, pruned trials or timeouts); it fits when every one of them fits.

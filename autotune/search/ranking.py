@@ -99,12 +99,9 @@ def rank_configurations(probes: Iterable[Probe], ceiling_bytes: int | None, *, g
         return by_speed
     fastest = by_speed[0]
     tied = [c for c in by_speed if fastest.mean_samples_per_s - c.mean_samples_per_s <= tie_band(fastest, c) * fastest.mean_samples_per_s]
-    estimated = estimates is not None and all(c.number in estimates for c in tied)
-
-    def speed(c: Configuration) -> float:
-        return estimates[c.number] if estimates is not None and estimated else c.mean_samples_per_s
-
-    tied.sort(key=lambda c: (prior_rank(c.params, gpu=gpu), -speed(c), -c.mean_samples_per_s, c.number))
+    if estimates is None or any(c.number not in estimates for c in tied):
+        estimates = {c.number: c.mean_samples_per_s for c in tied}
+    tied.sort(key=lambda c: (prior_rank(c.params, gpu=gpu), -estimates[c.number], -c.mean_samples_per_s, c.number))
     members = {id(c) for c in tied}
     return tied + [c for c in by_speed if id(c) not in members]
 

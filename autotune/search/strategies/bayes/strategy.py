@@ -5,6 +5,7 @@ near-ties (``SearchState.kept_s``)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -20,6 +21,7 @@ from autotune.search.strategies.bayes.context import Context
 from autotune.search.strategies.bayes.cost import probe_costs
 from autotune.search.strategies.bayes.groups import MemoryEvidence
 from autotune.search.strategies.failures import KINDS, FailureModel
+from autotune.search.strategies.surrogate import Grid
 
 PENDING_NUMBER = 10**9  # pending probes' numbers: after every real trial's
 P_RUNS_FLOOR = 0.05  # a configuration less likely than one in twenty to run (crash, divergence) is not proposed
@@ -62,7 +64,7 @@ class BayesStrategy(Strategy):
         context = self.context(state)
         grid = context.grid
         history = list(state.history)
-        ran = [p for p in history if p.result.status is ProbeStatus.OK and p.result.samples_per_s and grid.flat_index(p.params) is not None]
+        ran = _measured(grid, history)
         evidence = MemoryEvidence.of(context.groups, grid, history, state.ceiling_bytes)
         pending = pending_probes(context, state, evidence)
         mean, sd = throughput.posterior(context, ran, [params for params, fits in pending if fits])
@@ -133,7 +135,7 @@ class BayesStrategy(Strategy):
         a measurement pooled with what the other probes say about its settings."""
         context = self.context(state)
         grid = context.grid
-        ran = [p for p in state.history if p.result.status is ProbeStatus.OK and p.result.samples_per_s and grid.flat_index(p.params) is not None]
+        ran = _measured(grid, state.history)
         if not ran:
             return {}
         mean, _ = throughput.posterior(context, ran)
@@ -160,6 +162,11 @@ def _score(gain: Any, p_ok: Any, p_fit: Any, cost_ok: Any, cost_fail: Any, allow
     p_run = p_ok * p_fit
     expected_cost = p_run * cost_ok + (1.0 - p_run) * cost_fail
     return np.where(allowed, p_run * gain / np.maximum(expected_cost, 1.0), -np.inf)
+
+
+def _measured(grid: Grid, history: Sequence[Probe]) -> list[Probe]:
+    """The probes of ``history`` in ``grid`` that ran and measured a throughput: what the throughput model is fitted to."""
+    return [p for p in history if p.result.status is ProbeStatus.OK and p.result.samples_per_s and grid.flat_index(p.params) is not None]
 
 
 def pending_probes(context: Context, state: SearchState, evidence: MemoryEvidence) -> list[tuple[TrialParams, bool]]:
