@@ -18,7 +18,7 @@ fastest is :func:`autotune.search.ranking.rank_configurations`, the rule every o
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Container, Iterator, Sequence
+from collections.abc import Collection, Container, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -71,9 +71,10 @@ class SearchState:
     gpu: bool = True  # the probes run on a GPU (the ranking's prior among near-ties)
     loader_cores: int | None = None  # CPU cores one probe process's loader workers have; None: unknown
 
-    def feasible(self, history: Sequence[Probe] | None = None) -> list[Configuration]:
-        """The configurations that fit, fastest mean first: the one ranking rule, over ``history`` (default: the probes that ran)."""
-        return rank_configurations(self.history if history is None else history, self.ceiling_bytes, gpu=self.gpu)
+    def feasible(self, history: Sequence[Probe] | None = None, estimates: Mapping[int, float] | None = None) -> list[Configuration]:
+        """The configurations that fit, fastest mean first: the one ranking rule, over ``history`` (default: the probes
+        that ran), near-equals ordered by ``estimates`` (samples/s by :attr:`Configuration.number`) where given."""
+        return rank_configurations(self.history if history is None else history, self.ceiling_bytes, gpu=self.gpu, estimates=estimates)
 
 
 class Strategy(ABC):

@@ -13,6 +13,7 @@ import optuna
 
 from autotune.params import TrialParams
 from autotune.records import Probe, ProbeResult, ProbeStatus
+from autotune.search.ranking import Configuration
 from autotune.search.strategies import coverage
 from autotune.search.strategies.base import SearchState, SeenKeys, Strategy
 from autotune.search.strategies.baselines import tpe_sampler
@@ -105,12 +106,14 @@ class BayesStrategy(Strategy):
         if state.remaining_s is not None:
             # A probe that would eat into the time kept for polishing is not started.
             reserve, polishing, order = polish.polish_reserve(context, state, feasible, (mean, sd), p_ok, cost_ok, allowed, evidence, self._budget_s)
-            # Every dimension asked once near the incumbent, cheapest first: its time is kept like
-            # polishing's, and it is asked at once where precisions tie. Once due, a question that
+            # Every dimension asked once near what the search would return now (the near-equals by the
+            # model's estimate, as the ranking orders them at the end), cheapest first: its time is kept
+            # like polishing's, and it is asked at once where precisions tie. Once due, a question that
             # would leave no time for the most valuable polishing probe waits for it (not where
             # precisions tie: then the loader, not the compile mode, is the likelier limit).
             tie = coverage.tie_across_precisions(feasible)
-            question, question_s, asking_s = questions.coverage_question(context, state, feasible, allowed, cost_ok, self._budget_s, loader_first=tie)
+            picked = state.feasible(history, _estimates(context, feasible, mean))
+            question, question_s, asking_s = questions.coverage_question(context, state, picked, allowed, cost_ok, self._budget_s, loader_first=tie)
             due = tie or asking_s + reserve + state.kept_s >= state.remaining_s
             first_s = 0.0 if tie or not order else polish.kept_s(float(cost_ok.flat[order[0]]))
             if question is not None and due and question_s + first_s + state.kept_s <= state.remaining_s:  # not the near-ties' time
@@ -139,9 +142,9 @@ class BayesStrategy(Strategy):
         if not ran:
             return {}
         mean, _ = throughput.posterior(context, ran)
-        flat = np.broadcast_to(mean, grid.shape).reshape(-1)
-        indices = {c.params.key(): grid.flat_index(c.params) for c in state.feasible()}
-        return {key: float(np.exp(flat[index])) for key, index in indices.items() if index is not None}
+        feasible = state.feasible()
+        by_number = _estimates(context, feasible, mean)
+        return {c.params.key(): by_number[c.number] for c in feasible if c.number in by_number}
 
     @staticmethod
     def _p_ok(context: Context, state: SearchState) -> np.ndarray:
@@ -162,6 +165,14 @@ def _score(gain: Any, p_ok: Any, p_fit: Any, cost_ok: Any, cost_fail: Any, allow
     p_run = p_ok * p_fit
     expected_cost = p_run * cost_ok + (1.0 - p_run) * cost_fail
     return np.where(allowed, p_run * gain / np.maximum(expected_cost, 1.0), -np.inf)
+
+
+def _estimates(context: Context, feasible: list[Configuration], mean: np.ndarray) -> dict[int, float]:
+    """The throughput model's samples/s (its posterior ``mean``, log scale over the grid) at each configuration
+    of ``feasible`` in the grid, by :attr:`Configuration.number`."""
+    flat = np.broadcast_to(mean, context.grid.shape).reshape(-1)
+    indices = {c.number: context.grid.flat_index(c.params) for c in feasible}
+    return {number: float(np.exp(flat[index])) for number, index in indices.items() if index is not None}
 
 
 def _measured(grid: Grid, history: Sequence[Probe]) -> list[Probe]:
