@@ -628,6 +628,42 @@ def test_the_expert_fallback_stops_after_its_failures_when_each_out_of_memory_mo
     assert asked[0] == expert and len(asked) == 1 + MAX_FALLBACK_PROBES  # the expert and its neighbours, then the strategy
 
 
+def test_the_expert_fallback_measures_the_neighbour_likeliest_to_run_after_the_failures_so_far() -> None:
+    """A card where bf16 and flash attention both crash (second-generator draw 4600124): one setting at a
+    time, breadth first, the walk spent its failures on bf16 and flash combinations and stopped before fp16
+    with sdpa, two settings from the expert's. With the failure model's P(runs), once bf16 crashed in two
+    contexts the next neighbour leaves bf16, and the walk reaches fp16 with sdpa."""
+    from autotune.records import Probe
+    from autotune.search.expert import MAX_FALLBACK_PROBES, expert_fallback
+    from autotune.search.strategies.failures import p_runs
+    from autotune.space import parse_space
+
+    space = parse_space({"per_device_train_batch_size": [2, 4], "precision": ["fp32", "fp16", "bf16"], "attn_implementation": ["sdpa", "flash_attention_2"],
+                         "torch_compile": ["off", "inductor"], "optim": ["adamw_torch", "adamw_torch_fused"]})
+    expert = TrialParams(per_device_train_batch_size=2, precision="bf16", attn_implementation="flash_attention_2", torch_compile="inductor",
+                         optim="adamw_torch_fused")
+    ok = ProbeResult(status="ok", samples_per_s=10.0, peak_mem_bytes=GiB, wall_s=30.0)
+
+    def result(params: TrialParams) -> ProbeResult:
+        crashes = params.precision == "bf16" or params.attn_implementation == "flash_attention_2"
+        return ProbeResult(status="crash", error="RuntimeError", wall_s=20.0, setup_s=10.0) if crashes else ok
+
+    def walk(ordered: bool) -> list[TrialParams]:
+        outcomes: dict = {}
+        history: list[Probe] = []
+        while (neighbour := expert_fallback(space, expert, outcomes, None, 40 * GiB,
+                                            p_runs=p_runs(space, history) if ordered else None)) is not None:
+            outcomes[neighbour.key()] = result(neighbour)
+            history.append(Probe(len(history), neighbour, outcomes[neighbour.key()]))
+        return history
+
+    ordered = walk(True)
+    assert ordered[-1].result.ok and ordered[-1].params.precision == "fp16" and ordered[-1].params.attn_implementation == "sdpa"
+    assert len(ordered) <= 1 + MAX_FALLBACK_PROBES
+    breadth_first = walk(False)  # as before: no neighbour ran
+    assert not any(p.result.ok for p in breadth_first) and len(breadth_first) == 1 + MAX_FALLBACK_PROBES
+
+
 def test_an_expert_whose_optimizer_state_does_not_fit_gets_a_lighter_optimizer_at_the_largest_batch_that_fits() -> None:
     """A 1.5 B-parameter model under a 24 GiB ceiling: fused AdamW's state alone is over it, with or without
     checkpointing. After checkpointing (predicted over too, so at the smallest batch), the expert's next step

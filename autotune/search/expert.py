@@ -13,7 +13,7 @@ the device cannot run is never part of it.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from autotune.params import TrialParams
@@ -91,7 +91,7 @@ SUSPECTS = ("precision", "attn_implementation", "optim", "torch_compile")
 
 def expert_fallback(space: SearchSpace, expert: TrialParams, outcomes: Mapping[tuple[Any, ...], ProbeResult | None],
                     memory: Any, ceiling_bytes: int, limit: int = MAX_FALLBACK_PROBES,
-                    not_counted: Collection[tuple[Any, ...]] = ()) -> TrialParams | None:
+                    not_counted: Collection[tuple[Any, ...]] = (), p_runs: Callable[[TrialParams], float] | None = None) -> TrialParams | None:
     """The next neighbour of the expert configuration to measure while neither it nor a neighbour ran under the ceiling.
 
     Neighbours are visited nearest first (breadth first from the expert), each failed one expanded by
@@ -111,16 +111,20 @@ def expert_fallback(space: SearchSpace, expert: TrialParams, outcomes: Mapping[t
             the neighbours this walk reaches now: where a neighbour's batch is the memory model's, each
             out-of-memory moves it, and counting visited nodes alone let the walk step down batch after batch).
         not_counted: keys whose failures are not the walk's (the baseline's).
+        p_runs: the chance that a configuration runs (no crash, no divergence) given the failures so far;
+            where given, of the neighbours not yet asked the likeliest to run is measured (the nearest
+            among equals), so that a value that failed in two contexts is not stepped around one
+            setting at a time.
 
     Returns:
-        The nearest neighbour not yet asked; ``None`` once one ran and fits, after ``limit`` failed
+        The neighbour not yet asked; ``None`` once one ran and fits, after ``limit`` failed
         probes beside the expert's, or when no neighbour is left.
     """
     failed = sum(1 for key, result in outcomes.items() if key not in not_counted and result is not None
                  and not (result.ok and result.fits(ceiling_bytes)))
     if failed > limit:  # the expert's own and ``limit`` neighbours'
         return None
-    queue, visited = [expert], set()
+    queue, visited, unasked = [expert], set(), []
     while queue:
         node = queue.pop(0)
         key = node.key()
@@ -128,12 +132,15 @@ def expert_fallback(space: SearchSpace, expert: TrialParams, outcomes: Mapping[t
             continue
         visited.add(key)
         if key not in outcomes:
-            return node
+            if p_runs is None:
+                return node
+            unasked.append(node)
+            continue
         result = outcomes[key]
         if result is not None and result.ok and result.fits(ceiling_bytes):
             return None
         queue.extend(_neighbours(space, node, result, memory, ceiling_bytes))
-    return None
+    return max(unasked, key=p_runs) if unasked and p_runs is not None else None
 
 
 def _neighbours(space: SearchSpace, node: TrialParams, result: ProbeResult | None, memory: Any, ceiling_bytes: int) -> list[TrialParams]:

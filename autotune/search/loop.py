@@ -67,6 +67,7 @@ from autotune.search.expert import expert_fallback
 from autotune.search.memory import MemoryModel
 from autotune.search.ranking import Configuration, near_ties, rank_configurations
 from autotune.search.strategies.base import SearchState, SeenKeys, Strategy
+from autotune.search.strategies.failures import p_runs
 from autotune.space import SearchSpace
 from autotune.studies import reading, schema, writing
 from autotune.studies.reading import StoredOutcome
@@ -566,7 +567,8 @@ def _expert_neighbour(space: SearchSpace, expert: TrialParams, synced: _Synced, 
     for key in [*synced.seen, *synced.in_flight]:  # measured, pruned, or in flight elsewhere
         outcomes.setdefault(key, None)
     baseline = [state.baseline.key()] if state.baseline is not None else []
-    neighbour = expert_fallback(space, expert, outcomes, synced.memory, settings.memory_ceiling_bytes, not_counted=baseline)
+    neighbour = expert_fallback(space, expert, outcomes, synced.memory, settings.memory_ceiling_bytes, not_counted=baseline,
+                                p_runs=p_runs(space, synced.history))
     return None if neighbour is None or neighbour.key() == expert.key() else neighbour
 
 

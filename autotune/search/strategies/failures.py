@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +25,7 @@ import numpy as np
 from autotune.params import PARAM_NAMES, TrialParams
 from autotune.records import Probe, ProbeStatus
 from autotune.search.strategies.surrogate import BATCH, Grid
+from autotune.space import SearchSpace
 
 PAIR_DIMS = ("precision", "optim", "torch_compile", "attn_implementation", "gradient_checkpointing")
 
@@ -249,3 +250,12 @@ class FailureModel:
             if all(all(v in mine for v in cause) for cause in self._failure_causes(failed)):
                 return failed
         return None
+
+
+def p_runs(space: SearchSpace, history: Sequence[Probe]) -> Callable[[TrialParams], float]:
+    """P(no crash and no divergence) of a configuration of ``space`` given ``history`` (1 off its grid)."""
+    grid = Grid(space)
+    p_ok = np.ones(1)
+    for kind in KINDS:
+        p_ok = p_ok * FailureModel.from_history(grid, history, kind).p_ok_grid(grid)
+    return lambda params: 1.0 if grid.flat_index(params) is None else float(Grid.at(p_ok, grid.codes(params)))
