@@ -94,7 +94,8 @@ def expert_fallback(space: SearchSpace, expert: TrialParams, outcomes: Mapping[t
                     not_counted: Collection[tuple[Any, ...]] = (), p_runs: Callable[[TrialParams], float] | None = None) -> TrialParams | None:
     """The next neighbour of the expert configuration to measure while neither it nor a neighbour ran under the ceiling.
 
-    Neighbours are visited nearest first (breadth first from the expert), each failed one expanded by
+    Neighbours are reached breadth first from the expert (the nearest measured first, or, with ``p_runs``,
+    the likeliest to run), each failed one expanded by
     what its failure suggests: out of memory (or over the ceiling) a smaller batch (the largest
     ``memory`` predicts to fit below the failed one, else half of it), at the smallest batch one
     setting lightened at a time (at the largest batch that then fits), then checkpointing and the

@@ -14,6 +14,7 @@ pairs form among the dimensions that select code paths (:data:`PAIR_DIMS`) and t
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Callable, Iterable, Sequence
@@ -252,10 +253,32 @@ class FailureModel:
         return None
 
 
-def p_runs(space: SearchSpace, history: Sequence[Probe]) -> Callable[[TrialParams], float]:
-    """P(no crash and no divergence) of a configuration of ``space`` given ``history`` (1 off its grid)."""
-    grid = Grid(space)
-    p_ok = np.ones(1)
+def p_ok_grid(grid: Grid, history: Sequence[Probe], cache: dict[str, tuple[tuple[Any, ...], np.ndarray]] | None = None) -> np.ndarray:
+    """P(no crash and no divergence) over ``grid`` (broadcastable, batch axis 1) given ``history``: every
+    kind's prediction multiplied; with ``cache`` (per kind, its last prediction by its key), a kind's is kept
+    while its failures stay the same."""
+    p_ok: np.ndarray = np.ones(1)
     for kind in KINDS:
-        p_ok = p_ok * FailureModel.from_history(grid, history, kind).p_ok_grid(grid)
-    return lambda params: 1.0 if grid.flat_index(params) is None else float(Grid.at(p_ok, grid.codes(params)))
+        failures = FailureModel.from_history(grid, history, kind)
+        cached = None if cache is None else cache.get(kind.name)
+        if cached is None or cached[0] != failures.key():
+            cached = (failures.key(), failures.p_ok_grid(grid))
+            if cache is not None:
+                cache[kind.name] = cached
+        p_ok = p_ok * cached[1]
+    return p_ok
+
+
+def p_runs(space: SearchSpace, history: Sequence[Probe]) -> Callable[[TrialParams], float]:
+    """P(no crash and no divergence) of a configuration of ``space`` given ``history`` (1 off its grid),
+    computed over the grid at the first question only."""
+    @functools.cache
+    def over_grid() -> tuple[Grid, np.ndarray]:
+        grid = Grid(space)
+        return grid, p_ok_grid(grid, history)
+
+    def p(params: TrialParams) -> float:
+        grid, p_ok = over_grid()
+        return 1.0 if grid.flat_index(params) is None else float(Grid.at(p_ok, grid.codes(params)))
+
+    return p

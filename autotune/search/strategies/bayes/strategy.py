@@ -21,7 +21,7 @@ from autotune.search.strategies.bayes import fit, polish, questions, throughput
 from autotune.search.strategies.bayes.context import Context
 from autotune.search.strategies.bayes.cost import probe_costs
 from autotune.search.strategies.bayes.groups import MemoryEvidence
-from autotune.search.strategies.failures import KINDS, FailureModel
+from autotune.search.strategies.failures import KINDS, FailureModel, p_ok_grid
 from autotune.search.strategies.surrogate import Grid
 
 PENDING_NUMBER = 10**9  # pending probes' numbers: after every real trial's
@@ -148,16 +148,9 @@ class BayesStrategy(Strategy):
 
     @staticmethod
     def _p_ok(context: Context, state: SearchState) -> np.ndarray:
-        """P(runs) over the grid (broadcastable): no crash and no divergence, from what ran (a pending
-        probe may still crash), each kind's prediction kept while its failures stay the same."""
-        p_ok: np.ndarray = np.ones(1)
-        for kind in KINDS:
-            failures = FailureModel.from_history(context.grid, state.history, kind)
-            cached = context.p_ok.get(kind.name)
-            if cached is None or cached[0] != failures.key():
-                cached = context.p_ok[kind.name] = (failures.key(), failures.p_ok_grid(context.grid))
-            p_ok = p_ok * cached[1]  # over every axis but the batch: broadcast where used
-        return p_ok
+        """P(runs) over the grid (broadcastable over every axis but the batch): no crash and no divergence,
+        from what ran (a pending probe may still crash), each kind's prediction kept while its failures stay the same."""
+        return p_ok_grid(context.grid, state.history, context.p_ok)
 
 
 def _score(gain: Any, p_ok: Any, p_fit: Any, cost_ok: Any, cost_fail: Any, allowed: Any) -> np.ndarray:
