@@ -592,7 +592,7 @@ def search_draw(strategy: Any, index: int, budget_s: float, seed: int, noise_str
 def unasked_runnable(d: Draw, space: Any, found: TrialParams, probes: list[Any], loader_cores: int | None) -> list[str]:
     """#44's "every dimension asked near the incumbent": the dimensions no probe asked near the returned
     configuration (:func:`autotune.search.strategies.coverage.unasked`) although one of their variants
-    there (:func:`~autotune.search.strategies.coverage.variants`, at its batch) runs and fits on the draw:
+    there (:func:`~autotune.search.strategies.coverage.variants`, at its batch; checkpointing on, at a larger one) runs and fits on the draw:
     the noise-free truth stands in for what the memory model or the failures may rule out."""
     from autotune.search.strategies import coverage
 

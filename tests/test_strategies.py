@@ -927,6 +927,22 @@ def test_every_dimension_is_asked_near_the_incumbent() -> None:
     assert not coverage.tie_across_precisions(rank_configurations([ran(0, incumbent, 100.0), ran(3, incumbent.replace(precision="fp32"), 60.0)], 10))
 
 
+def test_checkpointing_is_asked_only_at_a_batch_larger_than_the_incumbents() -> None:
+    """Checkpointing re-runs the forward pass, so at the same batch it is slower (x0.63-0.92 on an H100): its
+    question is a larger batch that may not fit without it, the largest first, and at the space's largest
+    batch there is none; without it, the incumbent's own batch is the question (it fits, and it is faster)."""
+    from autotune.search.strategies import coverage
+    from autotune.space import parse_space
+
+    space = parse_space({"per_device_train_batch_size": [8, 16, 32, 64], "gradient_checkpointing": [False, True]})
+    incumbent = TrialParams(per_device_train_batch_size=16)
+    asked = coverage.variants(space, incumbent, "gradient_checkpointing")
+    assert [(v.gradient_checkpointing, v.per_device_train_batch_size) for v in asked] == [(True, 64), (True, 32)]
+    assert coverage.variants(space, incumbent.replace(per_device_train_batch_size=64), "gradient_checkpointing") == []
+    checkpointed = incumbent.replace(gradient_checkpointing=True)
+    assert coverage.variants(space, checkpointed, "gradient_checkpointing") == [incumbent]
+
+
 def test_loader_workers_are_asked_at_a_neighbouring_count() -> None:
     """Workers past the host's free cores contend, so the throughput may peak inside the range: with
     8 workers the incumbent, a probe with none does not say whether 4 would be faster; 4 is asked."""

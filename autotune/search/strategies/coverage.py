@@ -67,9 +67,13 @@ def variants(space: SearchSpace, incumbent: TrialParams, dimension: str, history
     workers (a loader-bound run gains most there; once a count was asked, its neighbours), where
     ``loader_cores`` is known the most that do not outnumber those cores, the next accumulation up,
     the prior's order for the optimizer and attention kernel, the next compile mode (uncompiled
-    last), checkpointing flipped."""
+    last), checkpointing off, or on at each larger batch, the largest first (none at the largest)."""
     current = getattr(incumbent, dimension)
     choices = [v for v in space.choices[dimension] if v != current]
+    if dimension == "gradient_checkpointing" and not current:
+        # It trades compute for memory, so it is slower at the same batch: a question only at a larger one.
+        larger = sorted((b for b in space.choices[_BATCH] if b > incumbent.per_device_train_batch_size), reverse=True)
+        return [space.with_changes(incumbent, gradient_checkpointing=True, per_device_train_batch_size=b) for b in larger]
     if dimension in _PEAKED and any(name == dimension for name, _ in _alone(incumbent, history)):
         ordered: list[Any] = _neighbours(space.choices[dimension], current)
     elif dimension in ("dataloader_num_workers", "gradient_accumulation_steps"):

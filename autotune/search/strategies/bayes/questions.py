@@ -16,9 +16,8 @@ from autotune.search.ranking import Configuration
 from autotune.search.strategies import coverage
 from autotune.search.strategies.base import SearchState
 from autotune.search.strategies.bayes.context import Context
-from autotune.search.strategies.bayes.fit import likely_batch, memory_prune
+from autotune.search.strategies.bayes.fit import likely_batch, memory_prune, p_fits
 from autotune.search.strategies.bayes.groups import MemoryEvidence
-from autotune.search.strategies.surrogate import BATCH
 
 COVERAGE_SHARE = 0.2  # at most this share of the run's budget is kept for asking every dimension near the incumbent
 # A 16-bit format that failed once keeps P(runs) of about 0.4 in a context its failure does not hold
@@ -41,10 +40,10 @@ def coverage_question(context: Context, state: SearchState, feasible: list[Confi
     evidence = MemoryEvidence.of(context.groups, grid, state.history, state.ceiling_bytes)
     for rank, dimension in enumerate(coverage.unasked(state.space, incumbent, state.history)):
         for variant in coverage.variants(state.space, incumbent, dimension, state.history, state.loader_cores):
-            if dimension == "gradient_checkpointing" and variant.gradient_checkpointing:  # its point: a larger batch
-                largest = state.space.with_changes(variant, per_device_train_batch_size=max(grid.values[BATCH]))
-                variant = likely_batch(context, state, evidence, largest) or variant
-            if memory_prune(context, state, evidence, variant) is not None:
+            if dimension == "gradient_checkpointing" and variant.gradient_checkpointing:  # the largest batch likelier to fit than not
+                if p_fits(context, state, evidence, variant) < 0.5:
+                    continue
+            elif memory_prune(context, state, evidence, variant) is not None:
                 variant = likely_batch(context, state, evidence, variant) or variant
             index = grid.flat_index(variant)
             if index is not None and flat_allowed[index] and memory_prune(context, state, evidence, variant) is None:
