@@ -83,7 +83,7 @@ RANGES = {"gen2-heldout": 0, "gen2-heldout2": 200_000, "gen2-heldout3": 400_000,
           "gen2-heldout19": 3_600_000, "gen2-heldout20": 3_800_000, "gen2-heldout21": 4_000_000,
           "gen2-heldout22": 4_200_000, "gen2-heldout23": 4_400_000,
           "gen2-heldout24": 4_600_000, "gen2-heldout25": 4_800_000,
-          "gen2-heldout26": 5_000_000}
+          "gen2-heldout26": 5_000_000, "gen2-heldout27": 5_200_000}
 # 100000-100001: a smoke test of the harness, seen; gen2-heldout4: for the simplified bayes package (2026-11-27);
 # gen2-heldout5: the correlated-misses rule of P(fits), with against without (2026-11-27, defined before any run);
 # gen2-heldout6: the figures of whatever that comparison keeps, run once on 2026-11-28 (spent);
@@ -107,7 +107,8 @@ RANGES = {"gen2-heldout": 0, "gen2-heldout2": 200_000, "gen2-heldout3": 400_000,
 # gen2-heldout23: spent on 2026-12-01 (a130f71's figures, bayes alone, run once);
 # gen2-heldout24: spent on 2026-12-02 (a7a9f75's figures, bayes alone, run once, with e726a04 for the before/after);
 # gen2-heldout25: spent on 2026-12-02 (25c6bee's figures, bayes alone, run once; no before/after: time);
-# gen2-heldout26: the next comparison (defined before any run)
+# gen2-heldout26: spent on 2026-12-07 (5d7ac0a's figures, bayes alone, run once, with 4e7a530 for the before/after);
+# gen2-heldout27: the next comparison (defined before any run)
 
 GRID: dict[str, tuple[Any, ...]] = {
     "per_device_train_batch_size": (1, 2, 4, 8, 16, 32, 64, 128),
