@@ -259,10 +259,13 @@ def _check_sqlite_content(storage: str, path: Path) -> None:
 
 
 def _check_journal_content(storage: str, path: Path) -> None:
-    """An existing journal file starts with an Optuna journal record (one JSON object per line)."""
+    """An existing journal file is empty or starts with an Optuna journal record (one JSON object per line).
+
+    Optuna never writes a blank line, and its reader fails on one, so a blank first line is not a journal.
+    """
     with open(path, "rb") as handle:
         first = handle.readline(1 << 20)
-    if not first.strip():
+    if not first:
         return
     try:
         record = json.loads(first.decode("utf-8"))

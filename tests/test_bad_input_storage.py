@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import random
 import shutil
 import sqlite3
 import subprocess
@@ -151,7 +152,8 @@ def test_an_sqlite_database_of_something_else_is_not_written_into(tmp_path, caps
     assert _digest(db) == before
 
 
-@pytest.mark.parametrize("content", [os.urandom(4096), b"hello\nworld\n", b'{"not": "a journal record"}\n'])
+@pytest.mark.parametrize("content", [random.Random(0).randbytes(4096), b"\n" + random.Random(1).randbytes(4096),
+                                     b"hello\nworld\n", b'{"not": "a journal record"}\n', b"\n", b"  \n\n"])
 @pytest.mark.parametrize("command", ["run", "list"])
 def test_a_corrupt_journal_is_one_line_and_untouched(tmp_path, capsys, content, command) -> None:
     log = tmp_path / "study.log"
@@ -160,6 +162,15 @@ def test_a_corrupt_journal_is_one_line_and_untouched(tmp_path, capsys, content, 
     _one_line_error(capsys, main([*argv, "--storage", f"journal:///{log}"]), "is not an Optuna journal file")
     assert log.read_bytes() == content
     assert sorted(p.name for p in tmp_path.iterdir()) == ["study.log"]  # no lock file left either
+
+
+def test_an_empty_journal_file_is_a_journal_with_no_studies(tmp_path, capsys) -> None:
+    log = tmp_path / "study.log"
+    log.touch()
+    assert main(["list", "--storage", f"journal:///{log}"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == "" and captured.out.startswith("no studies in ")
+    assert log.read_bytes() == b""
 
 
 @pytest.mark.parametrize("storage", ["sqlite:///{dir}/missing/a.db", "journal:///{dir}/missing/a.log"])
