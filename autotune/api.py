@@ -61,6 +61,7 @@ def plan_evaluator(plan: RunPlan) -> Evaluator:
         memory_ceiling_bytes=plan.memory_ceiling_bytes,
         warmup_steps=plan.warmup_steps,
         measure_steps=plan.measure_steps,
+        max_measure_s=plan.max_measure_s,
         seed=plan.settings.seed,
         dataset=plan.dataset.to_dict() if plan.dataset else None,
         mode=ISOLATION_MODES[plan.isolation],
@@ -319,7 +320,7 @@ def tune(
         **options: any field of :class:`RunOptions`: ``budget="30m"``, ``n_trials``, ``space``,
             ``memory_ceiling``, ``effective_batch_size``, ``seq_len``, ``device``, ``storage``
             (default: ``sqlite:///<user_dir()>/autotune.db``), ``study``, ``seed``, ``trial_timeout``,
-            ``warmup_steps``, ``measure_steps``, ``dataset``, ``text_column``, ``tokenizer``,
+            ``warmup_steps``, ``measure_steps``, ``max_measure_time``, ``dataset``, ``text_column``, ``tokenizer``,
             ``strategy``, ``isolation``, ``peft``, ``lora_r``, ``lora_alpha``, ``lora_dropout``,
             ``lora_target_modules``, ``trainer="my_train.py:make_trainer"`` (your own Trainer; each documented there).
 

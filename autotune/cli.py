@@ -116,6 +116,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup-steps", type=int, default=defaults.WARMUP_STEPS, help=f"optimizer steps before timing (default: {defaults.WARMUP_STEPS})")
     p.add_argument("--measure-steps", type=int, default=defaults.MEASURE_STEPS,
                    help=f"fewest optimizer steps timed; more until stable (default: {defaults.MEASURE_STEPS})")
+    p.add_argument("--max-measure-time", default=defaults.MAX_MEASURE_TIME,
+                   help=f"most time a probe spends timing steps, stable or not (default: {defaults.MAX_MEASURE_TIME})")
     p.add_argument("--dataset", default=None, help="train probes on this .jsonl/.csv/.parquet/.txt file (default: synthetic tokens)")
     p.add_argument("--text-column", default=defaults.TEXT_COLUMN, help=f"the dataset's text column (default: {defaults.TEXT_COLUMN})")
     p.add_argument("--tokenizer", default=None, help="tokenizer dir or hub id for --dataset (default: the model's)")

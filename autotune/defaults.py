@@ -10,6 +10,7 @@ SEED = 0
 TRIAL_TIMEOUT = "15m"  # the deadline of one probe
 WARMUP_STEPS = 3  # optimizer steps before timing starts (compilation happens there)
 MEASURE_STEPS = 8  # the fewest optimizer steps timed; more until the step time is stable
+MAX_MEASURE_TIME = "30s"  # ... or until this much time was measured (a probe stopped there unstable is flagged)
 ISOLATION = "fork"  # each probe forked from the CUDA-clean probe server ("cold": a new interpreter)
 TEXT_COLUMN = "text"  # a --dataset's text column
 MODEL = "tiny-gptneox"  # the embedded default: a small model, CPU where there is no GPU

@@ -44,6 +44,8 @@ class RunOptions:
         warmup_steps: optimizer steps run before timing starts.
         measure_steps: the fewest optimizer steps timed; probes keep measuring until the mean
             step time is stable (95% CI within +-2%) or a cap is reached.
+        max_measure_time: that cap in time (``"30s"``, seconds): the most a probe spends timing steps after its
+            warm-up (50 steps is the other cap); a probe stopped by it before its interval is within +-2% is flagged.
         dataset: a text file (``.jsonl``, ``.csv``, ``.parquet``, ``.txt``) to train the probes on,
             tokenised and packed in the DataLoader workers; None: synthetic tokens.
         text_column: the dataset's text column (not used for ``.txt``).
@@ -107,6 +109,7 @@ class RunOptions:
     trial_timeout: str | float = defaults.TRIAL_TIMEOUT
     warmup_steps: int = defaults.WARMUP_STEPS
     measure_steps: int = defaults.MEASURE_STEPS
+    max_measure_time: str | float = defaults.MAX_MEASURE_TIME
     dataset: str | None = None
     text_column: str = defaults.TEXT_COLUMN
     tokenizer: str | None = None

@@ -58,6 +58,7 @@ class RunPlan:
     settings: SearchSettings
     warmup_steps: int
     measure_steps: int
+    max_measure_s: float = parse_duration_s(defaults.MAX_MEASURE_TIME)
     dataset: Any = None  # autotune.data.DatasetSpec, or None for synthetic tokens
     strategy: str = DEFAULT_STRATEGY
     isolation: str = "fork"  # a key of ISOLATION_MODES
@@ -140,7 +141,7 @@ class RunPlan:
             user_config=self.trainer.user_config if self.trainer else None,
             # What a worker joining from elsewhere needs to probe exactly as this run does (autotune.workers).
             probe=ProbeSettings(
-                warmup_steps=self.warmup_steps, measure_steps=self.measure_steps,
+                warmup_steps=self.warmup_steps, measure_steps=self.measure_steps, max_measure_s=self.max_measure_s,
                 trial_timeout_s=self.settings.trial_timeout_s, seed=self.settings.seed, isolation=self.isolation,
                 trainer_sys_path=self.trainer.ref.sys_path if self.trainer else None,
                 trainer_attn_flag=bool(self.trainer and self.trainer.takes_attn_flag),
@@ -221,6 +222,10 @@ def plan_run(options: RunOptions) -> RunPlan:
     if options.warmup_steps < 1 or options.measure_steps < 1:
         raise UsageError("--warmup-steps and --measure-steps must be at least 1")
     trial_timeout_s = parse_duration_s(options.trial_timeout)
+    try:
+        max_measure_s = parse_duration_s(options.max_measure_time)
+    except UsageError:
+        raise UsageError(f"--max-measure-time {options.max_measure_time!r} is not a positive duration: use e.g. 30s") from None
     trainer_ref = _trainer_ref(options)  # parsed and checked against the options it replaces; nothing imported
     model_spec = resolve_model(options.model or DEFAULT_MODEL) if trainer_ref is None else None
     seq_len = options.seq_len if options.seq_len is not None else DEFAULT_SEQ_LEN
@@ -311,6 +316,7 @@ def plan_run(options: RunOptions) -> RunPlan:
         ),
         warmup_steps=options.warmup_steps,
         measure_steps=options.measure_steps,
+        max_measure_s=max_measure_s,
         dataset=dataset_spec,
         strategy=options.strategy,
         isolation=options.isolation,

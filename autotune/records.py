@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 import autotune.defaults as defaults
 from autotune.params import TrialParams
+from autotune.units import parse_duration_s
 
 DeviceKind = Literal["cuda", "cpu"]
 
@@ -71,7 +72,7 @@ class ProbeSpec:
     warmup_steps: int = defaults.WARMUP_STEPS  # optimizer steps excluded from timing (compilation, first allocations)
     measure_steps: int = defaults.MEASURE_STEPS  # the minimum number of optimizer steps timed
     max_measure_steps: int | None = None  # keep measuring until stable, up to this (None: measure_steps, fixed)
-    max_measure_s: float = 30.0  # ... or until this much measured time
+    max_measure_s: float = parse_duration_s(defaults.MAX_MEASURE_TIME)  # ... or until this much measured time
     target_ci_rel: float = 0.02  # stable when the 95% CI of the mean step time is within +-2%
     memory_ceiling_bytes: int | None = None  # enforced inside the child so OOMs happen at the ceiling
     seed: int = 0

@@ -143,7 +143,7 @@ def options_for_worker(
         memory_ceiling=ceiling, effective_batch_size=settings.effective_batch_size,
         seq_len=None if trainer else int(seq_len), device=device, storage=storage, study=study,
         seed=probe.seed + seed_offset, trial_timeout=probe.trial_timeout_s,
-        warmup_steps=probe.warmup_steps, measure_steps=probe.measure_steps,
+        warmup_steps=probe.warmup_steps, measure_steps=probe.measure_steps, max_measure_time=probe.max_measure_s,
         dataset=dataset.get("path"), text_column=dataset.get("text_column", defaults.TEXT_COLUMN), tokenizer=dataset.get("tokenizer"),
         strategy=settings.strategy, isolation=probe.isolation,
         peft=peft.get("method"), lora_r=peft.get("r"), lora_alpha=peft.get("alpha"), lora_dropout=peft.get("dropout"),

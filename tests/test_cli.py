@@ -14,7 +14,8 @@ import pytest
 from autotune.cli import main
 
 DATA = Path(__file__).parent / "data"
-FAST = ["--model", "tiny-gptneox", "--seq-len", "32", "--warmup-steps", "1", "--measure-steps", "2", "--device", "cpu"]
+FAST = ["--model", "tiny-gptneox", "--seq-len", "32", "--warmup-steps", "1", "--measure-steps", "2", "--max-measure-time", "3s",
+        "--device", "cpu"]
 
 
 def _run(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
@@ -71,7 +72,7 @@ def test_api_returns_training_arguments_that_trainer_accepts(tmp_path) -> None:
 
     result = autotune.tune(
         "tiny-gptneox", space=str(DATA / "tiny_space.yaml"), n_trials=2, budget=None, seq_len=32, device="cpu",
-        storage=f"sqlite:///{tmp_path / 'api.db'}", warmup_steps=1, measure_steps=2, report_dir=tmp_path,
+        storage=f"sqlite:///{tmp_path / 'api.db'}", warmup_steps=1, measure_steps=2, max_measure_time=3, report_dir=tmp_path,
     )
     assert len(result.trials[result.trials["remeasure_of"].isna()]) == 2  # near-ties may be re-measured on top
     assert result.baseline["is_baseline"] and result.baseline["per_device_train_batch_size"] == 8

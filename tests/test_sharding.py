@@ -185,7 +185,7 @@ def test_a_cpu_run_measures_two_sharding_values_end_to_end(tmp_path) -> None:
     from autotune.api import tune
 
     result = tune("tiny-gptneox", space=str(ZERO_SPACE), seq_len=32, device="cpu", nproc_per_probe=2, n_trials=2,
-                  warmup_steps=1, measure_steps=3, storage=f"sqlite:///{tmp_path / 's.db'}", report_dir=None, verbose=False)
+                  warmup_steps=1, measure_steps=3, max_measure_time="3s", storage=f"sqlite:///{tmp_path / 's.db'}", report_dir=None, verbose=False)
     trials = result.trials
     ok = trials[trials["status"] == "ok"]
     found = set(ok["sharding"])

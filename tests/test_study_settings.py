@@ -9,6 +9,7 @@ import pandas as pd
 import pytest
 
 import autotune.defaults as defaults
+from autotune.api import plan_evaluator
 from autotune.errors import UsageError
 from autotune.options import RunOptions
 from autotune.plan import package_versions, plan_run
@@ -22,10 +23,10 @@ from autotune.workers import options_for_worker
 
 def test_round_trip_keeps_every_field():
     probe = ProbeSettings(warmup_steps=5, measure_steps=11, trial_timeout_s=120.0, seed=7, isolation="cold",
-                          trainer_sys_path="/tmp/user", trainer_attn_flag=True, tokens_per_sample=41.5)
+                          trainer_sys_path="/tmp/user", trainer_attn_flag=True, tokens_per_sample=41.5, max_measure_s=4.5)
     data = probe.to_dict()
     assert set(data) == {"warmup_steps", "measure_steps", "trial_timeout_s", "seed", "isolation",
-                         "trainer_sys_path", "trainer_attn_flag", "tokens_per_sample"}
+                         "trainer_sys_path", "trainer_attn_flag", "tokens_per_sample", "max_measure_s"}
     assert ProbeSettings.from_dict(data) == probe
 
 
@@ -37,6 +38,7 @@ def test_old_study_missing_keys_reads_as_defaults():
     assert probe.isolation == defaults.ISOLATION
     assert probe.trial_timeout_s == parse_duration_s(defaults.TRIAL_TIMEOUT)
     assert probe.trainer_sys_path is None and probe.trainer_attn_flag is False and probe.tokens_per_sample is None
+    assert probe.max_measure_s == parse_duration_s(defaults.MAX_MEASURE_TIME)
     assert ProbeSettings.from_dict({}) == ProbeSettings()
 
 
@@ -48,11 +50,17 @@ def test_unknown_keys_are_ignored():
 
 def test_plan_writes_what_workers_read():
     plan = plan_run(RunOptions(model="tiny-gptneox", space="quick", seq_len=32, device="cpu", n_trials=1,
-                               storage="sqlite:///:memory:", warmup_steps=2))
+                               storage="sqlite:///:memory:", warmup_steps=2, max_measure_time="4s"))
     stored = plan.study_attrs(None)["probe"]
     probe = ProbeSettings.from_dict(stored)
-    assert probe.warmup_steps == 2
+    assert probe.warmup_steps == 2 and probe.max_measure_s == plan.max_measure_s == 4.0
     assert probe.measure_steps == defaults.MEASURE_STEPS
+    assert plan_evaluator(plan).max_measure_s == 4.0  # what each probe's spec gets
+    joined = options_for_worker(plan.study_settings(None), deadline_unix_s=None, storage="sqlite:///:memory:", study="s", device="cpu",
+                                budget="1m", n_trials=None, seed_offset=1)
+    assert plan_run(RunOptions(**joined)).max_measure_s == 4.0  # a worker joining the study probes as the run does
+    with pytest.raises(UsageError, match="--max-measure-time 0 is not a positive duration: use e.g. 30s"):
+        plan_run(RunOptions(model="tiny-gptneox", seq_len=32, device="cpu", n_trials=1, storage="sqlite:///:memory:", max_measure_time=0))
     assert stored == probe.to_dict()  # the plan writes exactly the record's JSON
 
 
@@ -153,7 +161,7 @@ def test_the_plan_writes_what_it_wrote_before_the_record():
         "user_config": None, "probe": {"warmup_steps": 2, "measure_steps": defaults.MEASURE_STEPS,
                                        "trial_timeout_s": parse_duration_s(defaults.TRIAL_TIMEOUT), "seed": defaults.SEED,
                                        "isolation": defaults.ISOLATION, "trainer_sys_path": None, "trainer_attn_flag": False,
-                                       "tokens_per_sample": None},
+                                       "tokens_per_sample": None, "max_measure_s": parse_duration_s(defaults.MAX_MEASURE_TIME)},
         "command": "autotune run --model tiny-gptneox", "versions": package_versions(),
     }
     assert StudySettings.from_dict(attrs) == plan.study_settings("autotune run --model tiny-gptneox")

@@ -20,9 +20,9 @@ from autotune.storage import to_optuna
 from autotune.studies import opening, reading, schema, writing
 from autotune.workers import options_for_worker, parse_gpus, run_workers, worker_command
 
-FAST = ["--model", "tiny-gptneox", "--seq-len", "32", "--warmup-steps", "1", "--measure-steps", "2", "--device", "cpu",
-        "--space", "quick"]
-COMMON = {"model": "tiny-gptneox", "space": "quick", "seq_len": 32, "warmup_steps": 1, "measure_steps": 2}
+FAST = ["--model", "tiny-gptneox", "--seq-len", "32", "--warmup-steps", "1", "--measure-steps", "2", "--max-measure-time", "3s",
+        "--device", "cpu", "--space", "quick"]
+COMMON = {"model": "tiny-gptneox", "space": "quick", "seq_len": 32, "warmup_steps": 1, "measure_steps": 2, "max_measure_time": "3s"}
 
 
 def test_gpu_lists_are_parsed_or_refused_in_one_line() -> None:

@@ -24,6 +24,7 @@ from autotune.probe.isolation import (
     start_server,
 )
 from autotune.records import ProbeResult, ProbeSpec, ProbeStatus
+from autotune.units import parse_duration_s
 
 # torch.compile compiles on the first step and may recompile on the second (optimizer, grad
 # accumulation boundaries): give compiled configurations two more steps before timing.
@@ -43,7 +44,7 @@ class ProbeEvaluator:
     seed: int = 0
     dataset: dict[str, Any] | None = None  # DatasetSpec.to_dict(); None: synthetic tokens
     max_measure_steps: int = 50
-    max_measure_s: float = 30.0
+    max_measure_s: float = parse_duration_s(defaults.MAX_MEASURE_TIME)
     mode: IsolationMode = DEFAULT_MODE
     # NVML UUID of the GPU (DeviceInfo.uuid), which the child is pinned to; None: resolved from device.
     device_uuid: str | None = None

@@ -25,6 +25,7 @@ class ProbeSettings:
     trainer_sys_path: str | None = None  # where the run imported its --trainer factory from
     trainer_attn_flag: bool = False  # the factory's parser takes --attn_implementation
     tokens_per_sample: float | None = None  # the data's mean real tokens per sequence (--objective tokens)
+    max_measure_s: float = parse_duration_s(defaults.MAX_MEASURE_TIME)  # the most time a probe spends timing steps
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON the study stores."""
@@ -42,7 +43,7 @@ class ProbeSettings:
         tokens = get("tokens_per_sample")
         sys_path = get("trainer_sys_path")
         return cls(
-            warmup_steps=int(get("warmup_steps")), measure_steps=int(get("measure_steps")),
+            warmup_steps=int(get("warmup_steps")), measure_steps=int(get("measure_steps")), max_measure_s=float(get("max_measure_s")),
             trial_timeout_s=parse_duration_s(get("trial_timeout_s")), seed=int(get("seed")), isolation=str(get("isolation")),
             trainer_sys_path=None if sys_path is None else str(sys_path), trainer_attn_flag=bool(get("trainer_attn_flag")),
             tokens_per_sample=None if tokens is None else float(tokens),
