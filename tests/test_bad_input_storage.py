@@ -124,7 +124,7 @@ def test_an_empty_minimising_study_is_refused(tmp_path, capsys) -> None:
 def test_a_corrupt_sqlite_file_is_one_line_and_untouched(tmp_path, capsys, monkeypatch, command) -> None:
     monkeypatch.chdir(tmp_path)
     db = tmp_path / "corrupt.db"
-    db.write_bytes(os.urandom(8192))
+    db.write_bytes(random.Random(2).randbytes(8192))
     before = _digest(db)
     argv = {"run": [*RUN, "--study", "s"], "report": ["report", "s"], "export": ["export", "s"], "list": ["list"]}[command]
     _one_line_error(capsys, main([*argv, "--storage", f"sqlite:///{db}"]), "is not an SQLite database", "move", "another --storage")
@@ -135,7 +135,7 @@ def test_a_corrupt_sqlite_file_is_one_line_and_untouched(tmp_path, capsys, monke
 def test_a_damaged_sqlite_database_is_one_line(tmp_path, capsys) -> None:
     """A valid header over damaged pages: SQLite itself says the file is not a database."""
     db = tmp_path / "damaged.db"
-    db.write_bytes(b"SQLite format 3\x00" + os.urandom(4096))
+    db.write_bytes(b"SQLite format 3\x00" + random.Random(3).randbytes(4096))
     before = _digest(db)
     for argv in ([*RUN, "--study", "s"], ["list"]):
         _one_line_error(capsys, main([*argv, "--storage", f"sqlite:///{db}"]), "damaged SQLite database")
@@ -258,9 +258,9 @@ def test_a_read_only_folder(tmp_path, kind) -> None:
     ("name", "content", "expected"),
     [
         ("garbage.jsonl", b"\x93\x01\x00\xff" * 500, "is a binary file, not text"),
-        ("garbage.txt", os.urandom(2048).replace(b"\x00", b"\x01") + b"\xff\xfe", "is not UTF-8 text"),
+        ("garbage.txt", random.Random(4).randbytes(2048).replace(b"\x00", b"\x01") + b"\xff\xfe", "is not UTF-8 text"),
         ("garbage.csv", b"text\n" + b"\xc3\x28 caf\xe9\n" * 10, "is not UTF-8 text (line 2"),
-        ("garbage.parquet", os.urandom(2048), "is not a readable Parquet file"),
+        ("garbage.parquet", random.Random(5).randbytes(2048), "is not a readable Parquet file"),
     ],
 )
 def test_a_binary_dataset_is_one_line(tmp_path, capsys, name, content, expected) -> None:

@@ -377,3 +377,33 @@ def test_the_questions_are_asked_near_what_the_search_would_return_not_near_what
         BayesStrategy().propose(state)
     flash_64 = TrialParams(per_device_train_batch_size=64, precision="bf16", attn_implementation="flash_attention_2")
     assert asked_near == [flash_64]
+
+
+def test_checkpointing_is_not_asked_where_no_larger_batch_fits_with_it() -> None:
+    # bf16 at batch 16 is the incumbent (batch 32 ran out of memory); its loader question was asked. Checkpointing
+    # would be asked at batch 64, then 32 (a larger batch is what it can buy). Where checkpointed probes at those
+    # batches ran out of memory beside another loader setting (which does not ask the question next to the
+    # incumbent, and does not change device memory), neither fits: the question is not asked at all.
+    from autotune.search.strategies.bayes import questions
+
+    space = parse_space({"per_device_train_batch_size": [8, 16, 32, 64], "precision": ["fp32", "bf16"],
+                         "gradient_checkpointing": [False, True], "dataloader_num_workers": [0, 4]})
+    incumbent = {"precision": "bf16", "per_device_train_batch_size": 16}
+
+    def oom(number: int, **values) -> Probe:
+        return Probe(number, TrialParams(**values), ProbeResult(status="oom", wall_s=20.0, setup_s=10.0))
+
+    history = [_ok(0, 100.0, precision="fp32", per_device_train_batch_size=8), _ok(1, 300.0, **incumbent),
+               oom(2, precision="bf16", per_device_train_batch_size=32), _ok(3, 290.0, dataloader_num_workers=4, **incumbent)]
+    checkpointed_ooms = [oom(4 + i, precision="bf16", per_device_train_batch_size=batch, gradient_checkpointing=True, dataloader_num_workers=4)
+                         for i, batch in enumerate((64, 32))]
+
+    def question(probes: list[Probe]) -> TrialParams | None:
+        memory = MemoryModel()
+        memory.observe_all((p.params, p.result) for p in probes)
+        _, state, context, _, cost_ok, allowed, _ = _polish_inputs(space, probes, memory, ceiling_bytes=6 * GiB)
+        assert state.feasible()[0].params == TrialParams(**incumbent)
+        return questions.coverage_question(context, state, state.feasible(), allowed, cost_ok, 1800.0)[0]
+
+    assert question(history) == TrialParams(precision="bf16", per_device_train_batch_size=64, gradient_checkpointing=True)
+    assert question([*history, *checkpointed_ooms]) is None
