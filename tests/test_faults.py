@@ -22,8 +22,8 @@ from autotune.probe.evaluator import ProbeEvaluator
 from autotune.records import ProbeResult
 from tests.conftest import FakeEvaluator
 
-FAST = ["--model", "tiny-gptneox", "--seq-len", "32", "--warmup-steps", "1", "--measure-steps", "2", "--device", "cpu",
-        "--space", "quick"]
+FAST = ["--model", "tiny-gptneox", "--seq-len", "32", "--warmup-steps", "1", "--measure-steps", "2", "--max-measure-time", "3s",
+        "--device", "cpu", "--space", "quick"]
 
 
 def _start_run(tmp_path: Path, *extra: str) -> subprocess.Popen[str]:
