@@ -12,13 +12,18 @@ install: $(STAMP)
 
 # Without an NVIDIA driver, install the CPU build of torch first, so the range in pyproject.toml
 # is already satisfied and pip never downloads the multi-GB CUDA wheels.
+# pip byte-compiles what it installs one file at a time; compileall does it on every core instead
+# (125 s -> 103 s on 2 cores). The bytecode must be there: where PYTHONDONTWRITEBYTECODE is set, every
+# process would otherwise compile torch and transformers again. A file compileall cannot compile (a
+# package's Python 2 test data) is skipped, as pip skips it.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	@if ! command -v nvidia-smi >/dev/null 2>&1; then \
 		echo "no NVIDIA driver: installing the CPU build torch==2.13.0 first"; \
-		$(PY) -m pip install -q torch==2.13.0; \
+		$(PY) -m pip install -q --no-compile torch==2.13.0; \
 	fi
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-compile -e '.[test]'
+	$(PY) -m compileall -qq -j0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" || true
 	touch $(STAMP)
 
 demo: $(STAMP)
