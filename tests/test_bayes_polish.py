@@ -407,3 +407,36 @@ def test_checkpointing_is_not_asked_where_no_larger_batch_fits_with_it() -> None
 
     assert question(history) == TrialParams(precision="bf16", per_device_train_batch_size=64, gradient_checkpointing=True)
     assert question([*history, *checkpointed_ooms]) is None
+
+
+def test_checkpointing_is_asked_at_a_larger_batch_only_where_it_likelier_fits_than_not() -> None:
+    # GPT-2 at 1,024 tokens in bf16: batch 16 fits (15.6 GiB), batch 32 ran out of memory. The memory model (the
+    # model's own dimensions) puts batch 32 checkpointed at 19.8 GiB, batch 64 at 36.5 GiB. Under a 21 GiB ceiling
+    # batch 32 checkpointed likely fits and is the question; under 19.5 GiB it is a coin toss against it (P 0.48,
+    # too close to rule out by prediction alone): the question is not asked, where a probe would likely be lost.
+    from autotune.models import resolve_model
+    from autotune.search.memory_prior import ModelDims
+    from autotune.search.strategies.bayes import questions
+
+    space = parse_space({"per_device_train_batch_size": [8, 16, 32, 64], "precision": ["fp32", "bf16"],
+                         "gradient_checkpointing": [False, True], "dataloader_num_workers": [0, 4]})
+    incumbent = TrialParams(precision="bf16", per_device_train_batch_size=16)
+
+    def ran(number: int, params: TrialParams, sps: float, peak_gib: float) -> Probe:
+        return Probe(number, params, ProbeResult(status="ok", samples_per_s=sps, peak_mem_bytes=int(peak_gib * GiB), wall_s=40.0, setup_s=10.0,
+                                                 warmup_s=1.0, step_time_s=params.effective_batch_size / sps, step_time_ci95_rel=0.01,
+                                                 input_wait_fraction=0.0))
+
+    history = [ran(0, incumbent.replace(per_device_train_batch_size=8), 100.0, 9.35), ran(1, incumbent, 150.0, 15.57),
+               Probe(2, incumbent.replace(per_device_train_batch_size=32), ProbeResult(status="oom", wall_s=20.0, setup_s=10.0)),
+               ran(3, incumbent.replace(dataloader_num_workers=4), 140.0, 15.57)]  # the loader's question, asked
+
+    def question(ceiling_gib: float) -> TrialParams | None:
+        memory = MemoryModel(ModelDims.from_spec(resolve_model("gpt2")), 1024)
+        memory.observe_all((p.params, p.result) for p in history)
+        _, state, context, _, cost_ok, allowed, _ = _polish_inputs(space, history, memory, ceiling_bytes=int(ceiling_gib * GiB))
+        assert state.feasible()[0].params == incumbent
+        return questions.coverage_question(context, state, state.feasible(), allowed, cost_ok, 1800.0)[0]
+
+    assert question(21.0) == incumbent.replace(per_device_train_batch_size=32, gradient_checkpointing=True)
+    assert question(19.5) is None
