@@ -58,7 +58,7 @@ class RunPlan:
     settings: SearchSettings
     warmup_steps: int
     measure_steps: int
-    max_measure_s: float = parse_duration_s(defaults.MAX_MEASURE_TIME)
+    max_measure_s: float
     dataset: Any = None  # autotune.data.DatasetSpec, or None for synthetic tokens
     strategy: str = DEFAULT_STRATEGY
     isolation: str = "fork"  # a key of ISOLATION_MODES

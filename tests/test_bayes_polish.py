@@ -34,6 +34,10 @@ def _ok(number: int, sps: float, wall_s: float = 40.0, **values) -> Probe:
                                              step_time_ci95_rel=0.01, input_wait_fraction=0.0))
 
 
+def _oom(number: int, **values) -> Probe:
+    return Probe(number, TrialParams(**values), ProbeResult(status="oom", wall_s=20.0, setup_s=10.0))
+
+
 def _state(history: list[Probe], remaining_s: float | None, *, checkpointing: bool = True) -> SearchState:
     space = parse_space(SPACE if checkpointing else {k: v for k, v in SPACE.items() if k != "gradient_checkpointing"})
     memory = MemoryModel()
@@ -389,13 +393,9 @@ def test_checkpointing_is_not_asked_where_no_larger_batch_fits_with_it() -> None
     space = parse_space({"per_device_train_batch_size": [8, 16, 32, 64], "precision": ["fp32", "bf16"],
                          "gradient_checkpointing": [False, True], "dataloader_num_workers": [0, 4]})
     incumbent = {"precision": "bf16", "per_device_train_batch_size": 16}
-
-    def oom(number: int, **values) -> Probe:
-        return Probe(number, TrialParams(**values), ProbeResult(status="oom", wall_s=20.0, setup_s=10.0))
-
     history = [_ok(0, 100.0, precision="fp32", per_device_train_batch_size=8), _ok(1, 300.0, **incumbent),
-               oom(2, precision="bf16", per_device_train_batch_size=32), _ok(3, 290.0, dataloader_num_workers=4, **incumbent)]
-    checkpointed_ooms = [oom(4 + i, precision="bf16", per_device_train_batch_size=batch, gradient_checkpointing=True, dataloader_num_workers=4)
+               _oom(2, precision="bf16", per_device_train_batch_size=32), _ok(3, 290.0, dataloader_num_workers=4, **incumbent)]
+    checkpointed_ooms = [_oom(4 + i, precision="bf16", per_device_train_batch_size=batch, gradient_checkpointing=True, dataloader_num_workers=4)
                          for i, batch in enumerate((64, 32))]
 
     def question(probes: list[Probe]) -> TrialParams | None:
@@ -422,14 +422,13 @@ def test_checkpointing_is_asked_at_a_larger_batch_only_where_it_likelier_fits_th
                          "gradient_checkpointing": [False, True], "dataloader_num_workers": [0, 4]})
     incumbent = TrialParams(precision="bf16", per_device_train_batch_size=16)
 
-    def ran(number: int, params: TrialParams, sps: float, peak_gib: float) -> Probe:
-        return Probe(number, params, ProbeResult(status="ok", samples_per_s=sps, peak_mem_bytes=int(peak_gib * GiB), wall_s=40.0, setup_s=10.0,
-                                                 warmup_s=1.0, step_time_s=params.effective_batch_size / sps, step_time_ci95_rel=0.01,
-                                                 input_wait_fraction=0.0))
+    def ran(number: int, sps: float, peak_gib: float, **values) -> Probe:
+        probe = _ok(number, sps, **{**incumbent.flat(), **values})
+        return replace(probe, result=replace(probe.result, peak_mem_bytes=int(peak_gib * GiB)))
 
-    history = [ran(0, incumbent.replace(per_device_train_batch_size=8), 100.0, 9.35), ran(1, incumbent, 150.0, 15.57),
-               Probe(2, incumbent.replace(per_device_train_batch_size=32), ProbeResult(status="oom", wall_s=20.0, setup_s=10.0)),
-               ran(3, incumbent.replace(dataloader_num_workers=4), 140.0, 15.57)]  # the loader's question, asked
+    history = [ran(0, 100.0, 9.35, per_device_train_batch_size=8), ran(1, 150.0, 15.57),
+               _oom(2, precision="bf16", per_device_train_batch_size=32),
+               ran(3, 140.0, 15.57, dataloader_num_workers=4)]  # the loader's question, asked
 
     def question(ceiling_gib: float) -> TrialParams | None:
         memory = MemoryModel(ModelDims.from_spec(resolve_model("gpt2")), 1024)
