@@ -35,7 +35,8 @@ test: $(STAMP) browser postgres lint
 	$(PY) -m pytest -n auto --maxprocesses 4 --dist worksteal
 
 # ruff over the code, the tests and the benchmarks; mypy over the search package (its imports are
-# read for their types, their own errors not reported).
+# read for their types, their own errors not reported; torch, transformers and the rest of the training
+# stack are read as Any: pyproject.toml's [tool.mypy]).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check autotune tests bench
 	$(VENV)/bin/mypy --follow-imports=silent autotune/search
