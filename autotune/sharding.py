@@ -120,6 +120,18 @@ def training_arguments_kwargs(value: str) -> dict[str, Any]:
     return {"deepspeed": deepspeed_config(value)} if parse(value).stage else {}
 
 
+def deepspeed_collectives_on_gloo() -> None:
+    """Have DeepSpeed run a CPU probe's collectives on torch's gloo, as it does where its shared-memory op cannot build.
+
+    DeepSpeed otherwise JIT-compiles that op (``deepspeed_shm_comm``, g++ over two files) the first time a process
+    group starts on a CPU on a machine: 1-2 minutes on two cores, inside the probe's time box, for a device autotune
+    probes only to show that a run works. DeepSpeed reads which ops it may build from ``deepspeed.ops.__compatible_ops__``.
+    """
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def needs_process_group(value: str) -> bool:
     """Whether a probe of ``value`` must be launched as ranks (torchrun) even with one process."""
     return parse(value).engine is not None

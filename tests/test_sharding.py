@@ -237,3 +237,13 @@ def test_a_probe_over_the_host_ceiling_does_not_fit() -> None:
     assert over.error == "host memory: the probe's processes peaked at 90.00 GiB, over the 80.00 GiB host ceiling"
     assert over.host_peak_rss_bytes == 90 * GiB and over.wall_s == 60.0
     assert over_host_ceiling(ok, 100 * GiB) is ok and over_host_ceiling(ok, None) is ok
+
+
+def test_deepspeed_on_a_cpu_runs_its_collectives_on_gloo_without_compiling_its_shared_memory_op() -> None:
+    pytest.importorskip("deepspeed", reason="the zero values need deepspeed (in the test extras)")
+    from deepspeed.comm.torch import build_shm_op
+
+    from autotune.sharding import deepspeed_collectives_on_gloo
+
+    deepspeed_collectives_on_gloo()
+    assert build_shm_op() is None  # otherwise g++ builds deepspeed_shm_comm and it returns the loaded op

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from autotune import sharding
 from autotune.params import fp32_matmul_setting, mixed_precision_dtype
 from autotune.probe.memory import CudaBaseline, allocator_cap_bytes, memory_fields, non_allocator_bytes
 from autotune.probe.model import build_probe_model, env_folder, matmul_params
@@ -426,6 +427,8 @@ def run_probe(spec: ProbeSpec) -> ProbeResult:
             baseline = _init_cuda(spec)
             device_name = torch.cuda.get_device_name(0)
         params = spec.params
+        if not cuda and sharding.parse(params.sharding).engine == "deepspeed":
+            sharding.deepspeed_collectives_on_gloo()
         torch.manual_seed(spec.seed)
         if spec.trainer is None:
             model, counts, model_build_s, flops_per_token = build_probe_model(spec, cuda)
