@@ -116,6 +116,8 @@ class TrialParams:
 
     def replace(self, **changes: Any) -> TrialParams:
         """A copy with some parameters changed (user-config fields by their own names too)."""
+        if _PARAM_NAME_SET.issuperset(changes):  # autotune's own dimensions only: the dataclass's copy
+            return dataclasses.replace(self, **changes)
         return TrialParams.from_flat({**self.flat(), **changes}, {*dict(self.extra), *(k for k in changes if k not in PARAM_NAMES)})
 
     def to_dict(self) -> dict[str, Any]:
@@ -216,6 +218,7 @@ def _short_value(value: Any) -> str:
 
 # The built-in dimensions (the user-config fields of ``extra`` come on top, by their own names).
 PARAM_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(TrialParams) if f.name != "extra")
+_PARAM_NAME_SET = frozenset(PARAM_NAMES)
 # Dimensions added after studies, replay tables and exports existed: where one is missing it reads as
 # its default (a replay table without the column, a stored space or trial from before it), and a space
 # holding it at its default alone stores it no more, so such studies resume under the same name.

@@ -49,6 +49,8 @@ from autotune.units import GiB
 
 BASE_PRIOR_SD_BYTES = 0.5 * GiB  # without model dims: the prior sd of that memory, fitted as a constant (MemoryModel._fitted_scales)
 GROUP_KEYS = ("precision", "optim", "torch_compile", "attn_implementation", "gradient_checkpointing", "use_liger_kernel", "sharding")
+# What a sibling group shares (MemoryModel._sibling_slope): precision, attention, checkpointing, Liger.
+_SIBLING_KEYS = tuple(GROUP_KEYS.index(k) for k in ("precision", "attn_implementation", "gradient_checkpointing", "use_liger_kernel"))
 PRUNE_MARGIN = 0.05  # prune only when predicted over the ceiling by more than this fraction
 UNCALIBRATED_PRUNE_MARGIN = 0.25  # the same for a group never measured, predicted from generic factors
 
@@ -92,14 +94,13 @@ def needs_no_less_memory(batch: int, accumulation: int, other_batch: int, other_
 class _GroupData:
     peaks: dict[tuple[int, int], int] = field(default_factory=dict)  # (batch, accumulation) -> measured peak (ok probes)
     ooms: set[tuple[int, int]] = field(default_factory=set)  # (batch, accumulation) that ran out of memory
+    fits: dict[int, int] = field(default_factory=dict)  # batch -> the largest peak measured at it, at any accumulation
+    line: tuple[float, float] | None = None  # (intercept, slope) through ``fits`` (:func:`_line`), the group's line
 
-    @property
-    def fits(self) -> dict[int, int]:
-        """Batch -> the largest peak measured at it, at any accumulation (the group's line)."""
-        fits: dict[int, int] = {}
-        for (batch, _), peak in self.peaks.items():
-            fits[batch] = max(fits.get(batch, 0), peak)
-        return fits
+    def add_peak(self, cell: tuple[int, int], peak: int) -> None:
+        self.peaks[cell] = max(self.peaks.get(cell, 0), peak)
+        self.fits[cell[0]] = max(self.fits.get(cell[0], 0), peak)
+        self.line = _line(self.fits)
 
     @property
     def oom_from(self) -> int | None:
@@ -139,7 +140,7 @@ class MemoryModel:
             group.ooms.add(cell)
             self._class_log_scale = None  # an OOM bounds its activation class
         elif result.ok and result.peak_mem_bytes is not None:
-            group.peaks[cell] = max(group.peaks.get(cell, 0), int(result.peak_mem_bytes))
+            group.add_peak(cell, int(result.peak_mem_bytes))
             self._observations.append((params, int(result.peak_mem_bytes)))
             self._classes_measured.add(activation_class(params))
             self._scales = None
@@ -224,7 +225,7 @@ class MemoryModel:
         fits = group.fits if group else {}
         if batch in fits:
             return fits[batch]
-        line = _line(fits)
+        line = group.line if group else None
         if line is not None:  # the group's own line
             intercept, slope = line
             return int(intercept + slope * batch)
@@ -350,16 +351,13 @@ class MemoryModel:
         attention, checkpointing and Liger kernels (they differ in optimizer or compile only), scaled
         by the model's activation ratio between the two groups (``own_slope``: the model's for
         ``params``, :meth:`_activation_slope`)."""
+        own = memory_group(params)
         slopes = []
         for key, data in self._groups.items():
-            sibling = TrialParams.from_dict({**params.to_dict(), **dict(zip(GROUP_KEYS, key))})
-            if key == memory_group(params) or (
-                sibling.precision, sibling.attn_implementation, sibling.gradient_checkpointing, sibling.use_liger_kernel
-            ) != (params.precision, params.attn_implementation, params.gradient_checkpointing, params.use_liger_kernel):
+            if data.line is None or key == own or any(key[i] != own[i] for i in _SIBLING_KEYS):
                 continue
-            line = _line(data.fits)
-            if line is not None:
-                slopes.append(line[1] * own_slope / self._activation_slope(sibling))
+            sibling = TrialParams.from_dict({**params.to_dict(), **dict(zip(GROUP_KEYS, key))})
+            slopes.append(data.line[1] * own_slope / self._activation_slope(sibling))
         if not slopes:
             return None
         slopes.sort()
