@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autotune import sharding
 from autotune.params import fp32_matmul_setting, mixed_precision_dtype
 from autotune.probe.memory import CudaBaseline, allocator_cap_bytes, memory_fields, non_allocator_bytes
 from autotune.probe.model import build_probe_model, env_folder, matmul_params
@@ -45,6 +44,8 @@ from autotune.probe.ranks import FAILED_RANK_EXIT_CODE, agree, local_rank, rank_
 from autotune.probe.steady import StopRule
 from autotune.probe.summary import min_telemetry_window_s, parameter_fields, summarise
 from autotune.records import ProbeResult, ProbeSpec, ProbeStatus
+from autotune.sharding import deepspeed_collectives_on_gloo
+from autotune.sharding import parse as parse_sharding
 
 _ERROR_TAIL_CHARS = 2000
 # On CUDA the measured window is stretched to the telemetry's minimum (NVML power and utilisation are
@@ -427,8 +428,8 @@ def run_probe(spec: ProbeSpec) -> ProbeResult:
             baseline = _init_cuda(spec)
             device_name = torch.cuda.get_device_name(0)
         params = spec.params
-        if not cuda and sharding.parse(params.sharding).engine == "deepspeed":
-            sharding.deepspeed_collectives_on_gloo()
+        if not cuda and parse_sharding(params.sharding).engine == "deepspeed":
+            deepspeed_collectives_on_gloo()
         torch.manual_seed(spec.seed)
         if spec.trainer is None:
             model, counts, model_build_s, flops_per_token = build_probe_model(spec, cuda)
