@@ -356,7 +356,7 @@ class MemoryModel:
         for key, data in self._groups.items():
             if data.line is None or key == own or any(key[i] != own[i] for i in _SIBLING_KEYS):
                 continue
-            sibling = TrialParams.from_dict({**params.to_dict(), **dict(zip(GROUP_KEYS, key))})
+            sibling = params.replace(**dict(zip(GROUP_KEYS, key)))
             slopes.append(data.line[1] * own_slope / self._activation_slope(sibling))
         if not slopes:
             return None
