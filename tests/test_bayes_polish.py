@@ -341,7 +341,7 @@ def test_a_question_near_the_incumbent_waits_for_the_most_valuable_polishing_pro
     strategy, state, context, model, cost_ok, allowed, evidence = _polish_inputs(space, history, memory)
     feasible = state.feasible()
     reserve, _, order = polish.polish_reserve(context, state, feasible, model, np.ones(context.grid.shape), cost_ok, allowed, evidence, 1800.0)
-    question, question_s, asking_s = questions.coverage_question(context, state, feasible, allowed, cost_ok, 1800.0)
+    question, question_s, asking_s = questions.coverage_question(context, state, evidence, feasible, allowed, cost_ok, 1800.0)
     assert order and question is not None and asking_s > question_s > 0 and context.grid.flat_index(question) not in order
     first_s = polish.kept_s(float(cost_ok.flat[order[0]]))
 
@@ -372,9 +372,9 @@ def test_the_questions_are_asked_near_what_the_search_would_return_not_near_what
     assert state.feasible()[0].params.attn_implementation == "sdpa"  # first by its measurement alone
     asked_near = []
 
-    def spy(context, state, feasible, *args, **kwargs):
+    def spy(context, state, evidence, feasible, *args, **kwargs):
         asked_near.append(feasible[0].params)
-        return ask(context, state, feasible, *args, **kwargs)
+        return ask(context, state, evidence, feasible, *args, **kwargs)
 
     ask = questions.coverage_question
     with mock.patch.object(questions, "coverage_question", spy):
@@ -401,9 +401,9 @@ def test_checkpointing_is_not_asked_where_no_larger_batch_fits_with_it() -> None
     def question(probes: list[Probe]) -> TrialParams | None:
         memory = MemoryModel()
         memory.observe_all((p.params, p.result) for p in probes)
-        _, state, context, _, cost_ok, allowed, _ = _polish_inputs(space, probes, memory, ceiling_bytes=6 * GiB)
+        _, state, context, _, cost_ok, allowed, evidence = _polish_inputs(space, probes, memory, ceiling_bytes=6 * GiB)
         assert state.feasible()[0].params == TrialParams(**incumbent)
-        return questions.coverage_question(context, state, state.feasible(), allowed, cost_ok, 1800.0)[0]
+        return questions.coverage_question(context, state, evidence, state.feasible(), allowed, cost_ok, 1800.0)[0]
 
     assert question(history) == TrialParams(precision="bf16", per_device_train_batch_size=64, gradient_checkpointing=True)
     assert question([*history, *checkpointed_ooms]) is None
@@ -433,9 +433,9 @@ def test_checkpointing_is_asked_at_a_larger_batch_only_where_it_likelier_fits_th
     def question(ceiling_gib: float) -> TrialParams | None:
         memory = MemoryModel(ModelDims.from_spec(resolve_model("gpt2")), 1024)
         memory.observe_all((p.params, p.result) for p in history)
-        _, state, context, _, cost_ok, allowed, _ = _polish_inputs(space, history, memory, ceiling_bytes=int(ceiling_gib * GiB))
+        _, state, context, _, cost_ok, allowed, evidence = _polish_inputs(space, history, memory, ceiling_bytes=int(ceiling_gib * GiB))
         assert state.feasible()[0].params == incumbent
-        return questions.coverage_question(context, state, state.feasible(), allowed, cost_ok, 1800.0)[0]
+        return questions.coverage_question(context, state, evidence, state.feasible(), allowed, cost_ok, 1800.0)[0]
 
     assert question(21.0) == incumbent.replace(per_device_train_batch_size=32, gradient_checkpointing=True)
     assert question(19.5) is None

@@ -29,7 +29,7 @@ ceiling likewise.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +40,7 @@ from autotune.records import ProbeResult, ProbeStatus
 from autotune.search.memory_prior import (
     CUDA_CONTEXT_BYTES,
     ModelDims,
+    StaticMemory,
     activation_bytes_per_sample,
     generic_features,
     peak_static_bytes,
@@ -153,9 +154,14 @@ class MemoryModel:
     def _features(self, params: TrialParams) -> tuple[float, float]:
         if self.dims is None:
             return generic_features(params, self.world)
-        static = static_memory(self.dims, params.precision, params.optim, params.sharding, self.world)
-        per_sample = float(activation_bytes_per_sample(self.dims, params, self.seq_len))
+        static, per_sample = self._analytic_parts(params)
         return peak_static_bytes(static, params, params.per_device_train_batch_size * per_sample), per_sample
+
+    def _analytic_parts(self, params: TrialParams) -> tuple[StaticMemory, float]:
+        """With model dims: the static memory and the activation bytes per sample (neither depends on the batch)."""
+        assert self.dims is not None
+        return static_memory(self.dims, params.precision, params.optim, params.sharding, self.world), \
+            float(activation_bytes_per_sample(self.dims, params, self.seq_len))
 
     def _fitted_scales(self) -> tuple[float, float] | None:
         """Least-squares (static, activation) scales over every ok measurement; the prior is (1, 1).
@@ -220,25 +226,37 @@ class MemoryModel:
 
     def predict(self, params: TrialParams) -> int | None:
         """Predicted peak bytes of ``params``; ``None`` before anything is known (no dims, no measurement)."""
+        return self.predict_cells(params, [(params.per_device_train_batch_size, params.gradient_accumulation_steps)])[0]
+
+    def predict_cells(self, params: TrialParams, cells: Sequence[tuple[int, int]]) -> list[int | None]:
+        """:meth:`predict` of ``params`` at each (batch, accumulation) of ``cells``, with what they share
+        (the group, its activation slope, its static memory) worked out once."""
         group = self._groups.get(memory_group(params))
-        batch = params.per_device_train_batch_size
         fits = group.fits if group else {}
-        if batch in fits:
-            return fits[batch]
-        line = group.line if group else None
-        if line is not None:  # the group's own line
-            intercept, slope = line
-            return int(intercept + slope * batch)
+        if group is not None and group.line is not None:  # the group's own line
+            intercept, slope = group.line
+            return [fits[b] if b in fits else int(intercept + slope * b) for b, _ in cells]
         scales = self._fitted_scales()
         if scales is None:
-            return None
+            return [fits.get(b) for b, _ in cells]
         slope = self._activation_slope(params)
         if len(fits) == 1:
             # One point: a sibling group's slope, else the fitted model's through the point.
             (b0, m0), = fits.items()
             sibling = self._sibling_slope(params, slope)
-            return int(m0 + (batch - b0) * (sibling if sibling is not None else slope))
-        return int(self._base_bytes + scales[0] * self._static_factor * self._features(params)[0] + batch * slope)
+            return [fits[b] if b in fits else int(m0 + (b - b0) * (sibling if sibling is not None else slope)) for b, _ in cells]
+        parts = None if self.dims is None else self._analytic_parts(params)
+        at = {params.gradient_accumulation_steps: params}  # params at each accumulation
+        peaks: list[int | None] = []
+        for batch, accumulation in cells:
+            if batch in fits:
+                peaks.append(fits[batch])
+                continue
+            if accumulation not in at:
+                at[accumulation] = params.replace(gradient_accumulation_steps=accumulation)
+            static = generic_features(at[accumulation], self.world)[0] if parts is None else peak_static_bytes(parts[0], at[accumulation], batch * parts[1])
+            peaks.append(int(self._base_bytes + scales[0] * self._static_factor * static + batch * slope))
+        return peaks
 
     def _activation_slope(self, params: TrialParams) -> float:
         """Predicted activation bytes per sample: the fitted scale times the learnt correction of the

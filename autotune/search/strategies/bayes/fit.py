@@ -33,9 +33,9 @@ def predicted_block(context: Context, state: SearchState, group: int) -> np.ndar
     if group not in context.lines:
         params = context.params_of_group(group)
         grid = context.grid
-        peaks = [[state.memory.predict(params.replace(per_device_train_batch_size=int(b), gradient_accumulation_steps=grid.accumulation(b, a)))
-                  for b in grid.values[BATCH]] for a in context.accumulations()]
-        block = None if any(p is None for row in peaks for p in row) else np.array(peaks, dtype=float)
+        cells = [(int(b), grid.accumulation(b, a)) for a in context.accumulations() for b in grid.values[BATCH]]
+        peaks = state.memory.predict_cells(params, cells)
+        block = None if any(p is None for p in peaks) else np.array(peaks, dtype=float).reshape(len(context.accumulations()), -1)
         if block is not None:
             block.setflags(write=False)
         context.lines[group] = block

@@ -9,8 +9,9 @@ peaks and OOMs (:class:`MemoryEvidence`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -84,6 +85,7 @@ class Groups:
     values: list[tuple[Any, ...]]
     dominance: list[np.ndarray]  # per dim: [i, j] = value i needs no less memory than value j
     activation_ratio: np.ndarray  # [g, h]: a lower bound of g's activations per sample over h's (0: g's static may be smaller)
+    _masks: dict[tuple[int, bool], np.ndarray] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def of(cls, grid: Grid) -> Groups:
@@ -100,15 +102,20 @@ class Groups:
         return int(np.ravel_multi_index(tuple(codes), [len(grid.values[d]) for d in self.dims])) if codes else 0
 
     def needing_no_less_than(self, group: int) -> np.ndarray:
-        mask = np.ones(len(self.codes), dtype=bool)
-        for d, table in enumerate(self.dominance):
-            mask &= table[self.codes[:, d], self.codes[group, d]]
-        return mask
+        return self._dominated(group, no_less=True)
 
     def needing_no_more_than(self, group: int) -> np.ndarray:
-        mask = np.ones(len(self.codes), dtype=bool)
-        for d, table in enumerate(self.dominance):
-            mask &= table[self.codes[group, d], self.codes[:, d]]
+        return self._dominated(group, no_less=False)
+
+    def _dominated(self, group: int, *, no_less: bool) -> np.ndarray:
+        """The groups needing no less (``no_less``), or no more, memory than ``group`` (read-only, kept)."""
+        mask = self._masks.get((group, no_less))
+        if mask is None:
+            mask = np.ones(len(self.codes), dtype=bool)
+            for d, table in enumerate(self.dominance):
+                mask &= table[self.codes[:, d], self.codes[group, d]] if no_less else table[self.codes[group, d], self.codes[:, d]]
+            mask.setflags(write=False)
+            self._masks[(group, no_less)] = mask
         return mask
 
 
@@ -131,8 +138,8 @@ class MemoryEvidence:
 
     @classmethod
     def of(cls, groups: Groups, grid: Grid, history: Iterable[Probe], ceiling: int) -> MemoryEvidence:
-        batches = list(grid.values[BATCH])
-        accums: list[int] = list(grid.values[ACCUM]) if ACCUM in grid.names else [1]
+        batches = tuple(grid.values[BATCH])
+        accums: tuple[int, ...] = tuple(grid.values[ACCUM]) if ACCUM in grid.names else (1,)
         fits: dict[int, dict[int, int]] = {}
         over: list[tuple[int, int]] = []
         ruled_out = np.zeros((len(groups.codes), len(accums), len(batches)), dtype=bool)
@@ -165,8 +172,11 @@ class MemoryEvidence:
         return a, grid.values[BATCH].index(params.per_device_train_batch_size)
 
 
-def _cells(accums: list[int], batches: list[int], batch: int, accum: int, *, no_less: bool) -> np.ndarray:
+@functools.lru_cache(maxsize=4096)
+def _cells(accums: tuple[int, ...], batches: tuple[int, ...], batch: int, accum: int, *, no_less: bool) -> np.ndarray:
     """An accumulations x batches mask: the cells needing no less memory than ``batch`` x ``accum``
-    (``no_less``), or no more."""
-    return np.array([[needs_no_less_memory(b, a, batch, accum) if no_less else needs_no_less_memory(batch, accum, b, a) for b in batches]
+    (``no_less``), or no more (read-only, kept)."""
+    mask = np.array([[needs_no_less_memory(b, a, batch, accum) if no_less else needs_no_less_memory(batch, accum, b, a) for b in batches]
                      for a in accums], dtype=bool)
+    mask.setflags(write=False)
+    return mask

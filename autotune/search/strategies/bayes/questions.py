@@ -25,8 +25,8 @@ COVERAGE_SHARE = 0.2  # at most this share of the run's budget is kept for askin
 CONFIRM_P_OK = 0.25
 
 
-def coverage_question(context: Context, state: SearchState, feasible: list[Configuration], allowed: np.ndarray, cost_ok: np.ndarray,
-                      budget_s: float, *, loader_first: bool = False) -> tuple[TrialParams | None, float, float]:
+def coverage_question(context: Context, state: SearchState, evidence: MemoryEvidence, feasible: list[Configuration], allowed: np.ndarray,
+                      cost_ok: np.ndarray, budget_s: float, *, loader_first: bool = False) -> tuple[TrialParams | None, float, float]:
     """The cheapest question left near the incumbent, its seconds, and the seconds all of them take
     (at most :data:`COVERAGE_SHARE` of ``budget_s``): per unasked dimension its first variant that
     may be proposed, at the largest batch up to the incumbent's likelier to fit than not;
@@ -37,7 +37,6 @@ def coverage_question(context: Context, state: SearchState, feasible: list[Confi
     incumbent = feasible[0].params
     flat_allowed = allowed.reshape(-1)
     questions: list[tuple[float, int, TrialParams]] = []
-    evidence = MemoryEvidence.of(context.groups, grid, state.history, state.ceiling_bytes)
     for rank, dimension in enumerate(coverage.unasked(state.space, incumbent, state.history)):
         for variant in coverage.variants(state.space, incumbent, dimension, state.history, state.loader_cores):
             if dimension == "gradient_checkpointing" and variant.gradient_checkpointing:  # the largest batch likelier to fit than not

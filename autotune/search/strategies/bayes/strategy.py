@@ -66,7 +66,7 @@ class BayesStrategy(Strategy):
         grid = context.grid
         history = list(state.history)
         ran = _measured(grid, history)
-        evidence = MemoryEvidence.of(context.groups, grid, history, state.ceiling_bytes)
+        evidence = measured = MemoryEvidence.of(context.groups, grid, history, state.ceiling_bytes)
         pending = pending_probes(context, state, evidence)
         mean, sd = throughput.posterior(context, ran, [params for params, fits in pending if fits])
         feasible = state.feasible()
@@ -113,7 +113,7 @@ class BayesStrategy(Strategy):
             # precisions tie: then the loader, not the compile mode, is the likelier limit).
             tie = coverage.tie_across_precisions(feasible)
             picked = state.feasible(history, _estimates(context, feasible, mean))
-            question, question_s, asking_s = questions.coverage_question(context, state, picked, allowed, cost_ok, self._budget_s, loader_first=tie)
+            question, question_s, asking_s = questions.coverage_question(context, state, measured, picked, allowed, cost_ok, self._budget_s, loader_first=tie)
             due = tie or asking_s + reserve + state.kept_s >= state.remaining_s
             first_s = 0.0 if tie or not order else polish.kept_s(float(cost_ok.flat[order[0]]))
             if question is not None and due and question_s + first_s + state.kept_s <= state.remaining_s:  # not the near-ties' time
