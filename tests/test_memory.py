@@ -413,3 +413,30 @@ def test_the_analytic_prior_alone_does_not_prune_until_a_peak_was_measured_on_th
     memory.observe(smaller, _ok(predict_peak_bytes(DIMS, smaller, 64)))  # the prior was right at batch 1
     assert memory.prune_margin(params) == pytest.approx(0.05)
     assert memory.prune_reason(params, ceiling) is not None
+
+
+@pytest.mark.parametrize("dims", [DIMS, None], ids=["model dims", "generic"])
+def test_a_groups_block_is_predicted_as_each_of_its_configurations_alone(dims) -> None:
+    # predict_cells (a memory group's batch x accumulation block in one call, as the search asks for it)
+    # gives what predict gives each configuration: before any measurement, with one point of the group
+    # measured, with its line, and for a group never measured beside measured ones.
+    model = MemoryModel(dims, seq_len=64)
+    cells = [(b, a) for a in (1, 2, 4) for b in (1, 2, 8, 32)]
+    plain, other = TrialParams(precision="bf16"), TrialParams(precision="bf16", gradient_checkpointing=True, optim="adafactor")
+
+    def check(params: TrialParams) -> None:
+        alone = [model.predict(params.replace(per_device_train_batch_size=b, gradient_accumulation_steps=a)) for b, a in cells]
+        assert model.predict_cells(params, cells) == alone
+
+    check(plain)
+    if dims is not None:  # before any measurement: the analytic peak of each configuration
+        assert model.predict_cells(other, cells) == [predict_peak_bytes(dims, other.replace(per_device_train_batch_size=b, gradient_accumulation_steps=a), 64)
+                                                     for b, a in cells]
+    model.observe(TrialParams(precision="bf16", per_device_train_batch_size=8), _ok(1.5 * GiB))
+    check(plain)  # one point of the group
+    model.observe(TrialParams(precision="fp32", per_device_train_batch_size=2), _ok(1.2 * GiB))
+    check(other)  # never measured: the fitted model, its static part per batch and accumulation
+    model.observe(TrialParams(precision="bf16", per_device_train_batch_size=2), _ok(1.1 * GiB))
+    check(plain)  # the group's line
+    check(other)
+    assert len(set(model.predict_cells(other, cells))) >= 4  # one peak per batch size at least: not one value for the block
