@@ -180,9 +180,12 @@ def test_an_expert_that_does_not_fit_even_frugal_falls_back_to_zero_offload_with
 
 
 @pytest.mark.slow
-def test_a_cpu_run_measures_two_sharding_values_end_to_end(tmp_path) -> None:
+def test_a_cpu_run_measures_two_sharding_values_end_to_end(tmp_path, monkeypatch) -> None:
     pytest.importorskip("deepspeed", reason="the zero values need deepspeed (in the test extras)")
     from autotune.api import tune
+
+    extensions = tmp_path / "torch_extensions"  # where a probe's DeepSpeed would JIT-build its ops
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(extensions))
 
     result = tune("tiny-gptneox", space=str(ZERO_SPACE), seq_len=32, device="cpu", nproc_per_probe=2, n_trials=2,
                   warmup_steps=1, measure_steps=3, max_measure_time="3s", storage=f"sqlite:///{tmp_path / 's.db'}", report_dir=None, verbose=False)
@@ -193,6 +196,8 @@ def test_a_cpu_run_measures_two_sharding_values_end_to_end(tmp_path) -> None:
     assert result.settings.get("nproc_per_probe") == 2
     # The best is per device: best.model.json says how to launch it.
     assert "launch with torchrun --nproc-per-node 2" in result.model_json()["autotune_note"]
+    # Its collectives ran on gloo: no probe compiled DeepSpeed's shared-memory op inside its time box.
+    assert [p.name for p in extensions.rglob("*shm*")] == []
 
 
 # ---- the host-memory ceiling ------------------------------------------------------------------------
