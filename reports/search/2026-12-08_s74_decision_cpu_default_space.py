@@ -5,11 +5,11 @@ import sys
 import time
 
 import bench.family as family
-from autotune.space import load_space
-
-family.family_space = lambda: load_space("default")
 from autotune.search.strategies.bayes.strategy import BayesStrategy
+from autotune.space import load_space
 from bench.search import family_search
+
+family.family_space = lambda: load_space("default")  # Landscape reads it at each draw
 
 rows = []
 class Timed(BayesStrategy):
