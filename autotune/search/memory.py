@@ -154,8 +154,15 @@ class MemoryModel:
     def _features(self, params: TrialParams) -> tuple[float, float]:
         if self.dims is None:
             return generic_features(params, self.world)
-        static, per_sample = self._analytic_parts(params)
-        return peak_static_bytes(static, params, params.per_device_train_batch_size * per_sample), per_sample
+        parts = self._analytic_parts(params)
+        return self._static_feature(params, params.per_device_train_batch_size, parts), parts[1]
+
+    def _static_feature(self, params: TrialParams, batch: int, parts: tuple[StaticMemory, float] | None) -> float:
+        """The static feature of ``params`` at ``batch`` (``parts``: :meth:`_analytic_parts` of ``params``, ``None``
+        without model dims): with dims, what is not activations beside that batch's activations."""
+        if parts is None:
+            return generic_features(params, self.world)[0]
+        return peak_static_bytes(parts[0], params, batch * parts[1])
 
     def _analytic_parts(self, params: TrialParams) -> tuple[StaticMemory, float]:
         """With model dims: the static memory and the activation bytes per sample (neither depends on the batch)."""
@@ -254,7 +261,7 @@ class MemoryModel:
                 continue
             if accumulation not in at:
                 at[accumulation] = params.replace(gradient_accumulation_steps=accumulation)
-            static = generic_features(at[accumulation], self.world)[0] if parts is None else peak_static_bytes(parts[0], at[accumulation], batch * parts[1])
+            static = self._static_feature(at[accumulation], batch, parts)
             peaks.append(int(self._base_bytes + scales[0] * self._static_factor * static + batch * slope))
         return peaks
 
