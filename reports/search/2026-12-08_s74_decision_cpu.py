@@ -1,12 +1,18 @@
 """CPU per bayes decision (time.process_time around each propose), by probes so far, on design draws searched for 4 virtual hours:
-PYTHONPATH=. python reports/search/2026-12-08_s74_decision_cpu.py 3,17,42,88,123,171"""
+PYTHONPATH=. python reports/search/2026-12-08_s74_decision_cpu.py 3,17,42,88,123,171
+PYTHONPATH=. python reports/search/2026-12-08_s74_decision_cpu.py 3,17,42 --default-space
+--default-space: over the product's whole default space (175,104 points), the family's landscapes with the later knobs without effect."""
 import statistics
 import sys
 import time
 
+import bench.family as family
 from autotune.search.strategies.bayes.strategy import BayesStrategy
+from autotune.space import load_space
 from bench.search import family_search
 
+if "--default-space" in sys.argv:
+    family.family_space = lambda: load_space("default")  # Landscape reads it at each draw
 draws = [int(d) for d in sys.argv[1].split(",")]
 rows = []
 
